@@ -1,0 +1,1 @@
+"""Capture keys and the graph cache, importable as ``lora_graph.compile``."""

@@ -1,0 +1,289 @@
+"""Reading PEFT LoRA checkpoints: locating, validating from the header, normalising.
+
+The format is PEFT's: ``adapter_config.json`` beside ``adapter_model.safetensors`` (or
+``adapter_model.bin``), keys ``<prefix>.<module>.lora_A[.<adapter name>].weight``
+``[r, in]`` and ``...lora_B...weight`` ``[out, r]``, and the delta
+``y += scale * x @ A.T @ B.T`` with ``scale = lora_alpha / r`` (Hu et al., 2021) or
+``lora_alpha / sqrt(r)`` with ``use_rslora`` (Kalajdzievski, 2023).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from lora_graph.config import AdapterError, AdapterInfo
+from lora_graph.layout import SlotLayout
+from lora_graph.targets import LoraModuleRef, LoraTarget
+
+ModuleMap = Callable[[str], LoraModuleRef | None]
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B|embedding_A|embedding_B)(?:\.[^.]+)?(?:\.weight)?$")
+_PREFIXES = ("base_model.model.",)
+_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """A located adapter: its PEFT config (``{}`` for a bare file) and its weights file."""
+
+    path: str
+    config: dict[str, Any]
+    weights_path: str
+
+    def digest(self) -> str:
+        """Hex sha256 of the weights file and the config: the adapter's identity."""
+        h = hashlib.sha256()
+        with open(self.weights_path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(json.dumps(self.config, sort_keys=True).encode())
+        return h.hexdigest()
+
+
+def resolve_adapter(path: str) -> AdapterSource:
+    """Locate an adapter: a PEFT directory, a bare ``.safetensors``/``.bin`` file (its
+    ``adapter_config.json`` read from beside it if there), or a Hugging Face repo id
+    (fetched through ``huggingface_hub``, which honours ``HF_HUB_OFFLINE`` and its cache).
+
+    Raises:
+        AdapterError: if nothing usable is found at ``path``.
+    """
+    if os.path.isfile(path):
+        directory, weights = os.path.dirname(path) or ".", path
+    elif os.path.isdir(path):
+        directory = path
+        found = [os.path.join(path, f) for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
+        if not found:
+            raise AdapterError(f"{path}: no adapter_model.safetensors or adapter_model.bin in the directory")
+        weights = found[0]
+    elif path.count("/") == 1 and not path.startswith((".", "/")):
+        directory = _download(path)
+        return resolve_adapter(directory)
+    else:
+        raise AdapterError(f"{path}: no such file or directory")
+    config: dict[str, Any] = {}
+    config_path = os.path.join(directory, "adapter_config.json")
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise AdapterError(f"{config_path}: not valid JSON ({e})") from e
+    return AdapterSource(path, config, weights)
+
+
+def _download(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=["adapter_config.json", *_WEIGHT_FILES])
+    except Exception as e:  # the hub raises many kinds; the cause goes into the message
+        raise AdapterError(f"{repo_id}: not a local path, and fetching it from the Hugging Face hub failed ({e})") from e
+
+
+def _read_shapes(weights_path: str) -> dict[str, tuple[int, ...]]:
+    if weights_path.endswith(".bin"):
+        return {k: tuple(v.shape) for k, v in _load_bin(weights_path).items()}
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from e
+
+
+def _load_bin(weights_path: str) -> dict[str, Tensor]:
+    try:
+        return torch.load(weights_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise AdapterError(f"{weights_path}: not a readable torch checkpoint ({e})") from e
+
+
+def _load_tensors(weights_path: str) -> dict[str, Tensor]:
+    if weights_path.endswith(".bin"):
+        return _load_bin(weights_path)
+    from safetensors.torch import load_file
+
+    return load_file(weights_path)
+
+
+def parse_lora_key(key: str) -> tuple[str, str] | None:
+    """``(module, "A"|"B"|"embedding_A"|"embedding_B")`` of a PEFT key, or None if the key
+    is not a LoRA weight. The module loses PEFT's ``base_model.model.`` prefix and any
+    adapter-name infix: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
+    gives ``("model.layers.0.self_attn.q_proj", "A")``."""
+    m = _LORA_KEY.match(key)
+    if m is None:
+        return None
+    module = m.group("module")
+    for prefix in _PREFIXES:
+        module = module.removeprefix(prefix)
+    return module, m.group("ab")
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key``: the first pattern key matching the module's tail."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One checkpoint module's LoRA pair and where it lands."""
+
+    module: str
+    ref: LoraModuleRef
+    a_key: str
+    b_key: str
+    rank: int
+    scale: float
+
+
+class AdapterReader:
+    """Validates and normalises adapters for one model's targets.
+
+    Args:
+        targets: the served targets, by name.
+        module_map: places a checkpoint module name on a target slice (None: unmapped).
+        num_layers: layers of the model.
+    """
+
+    def __init__(self, targets: dict[str, LoraTarget], module_map: ModuleMap, num_layers: int) -> None:
+        self.targets = targets
+        self.module_map = module_map
+        self.num_layers = num_layers
+
+    def check_config(self, name: str, config: dict[str, Any]) -> None:
+        """Refuse PEFT features this engine does not serve as plain LoRA.
+
+        Raises:
+            AdapterError: for ``use_dora``, a ``bias`` other than ``"none"``,
+                ``modules_to_save``, or a PEFT type other than LoRA.
+        """
+        peft_type = config.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            raise AdapterError(f"adapter {name!r}: peft_type {peft_type!r} is not LoRA")
+        if config.get("use_dora"):
+            raise AdapterError(f"adapter {name!r}: use_dora (DoRA) is not supported")
+        if config.get("bias", "none") != "none":
+            raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
+        if config.get("modules_to_save"):
+            raise AdapterError(f"adapter {name!r}: modules_to_save {config['modules_to_save']} is not supported")
+
+    def modules(self, name: str, src: AdapterSource, shapes: dict[str, tuple[int, ...]]) -> tuple[list[LoraModule], AdapterInfo]:
+        """Pair the A and B of each module, place it, and compute its rank and scale.
+
+        Returns:
+            the modules that land on served targets, and the adapter's :class:`AdapterInfo`.
+
+        Raises:
+            AdapterError: if a module lacks its A or B.
+        """
+        cfg = src.config
+        pairs: dict[str, dict[str, str]] = {}
+        for key in shapes:
+            parsed = parse_lora_key(key)
+            if parsed is not None:
+                pairs.setdefault(parsed[0], {})[parsed[1]] = key
+        r_default = int(cfg.get("r", 0)) or None
+        alpha_default = cfg.get("lora_alpha")
+        rank_pattern = cfg.get("rank_pattern") or {}
+        alpha_pattern = cfg.get("alpha_pattern") or {}
+        modules: list[LoraModule] = []
+        unmapped: list[str] = []
+        misfits: list[str] = []
+        max_rank = 0
+        for module, ab in sorted(pairs.items()):
+            if "embedding_A" in ab or "embedding_B" in ab:
+                unmapped.append(module)
+                continue
+            if "A" not in ab or "B" not in ab:
+                raise AdapterError(f"adapter {name!r}: module {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+            a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
+            rank = a_shape[0]
+            max_rank = max(max_rank, rank)
+            ref = self.module_map(module)
+            if ref is None or ref.target not in self.targets:
+                unmapped.append(module)
+                continue
+            target = self.targets[ref.target]
+            try:
+                slice_idx = target.slice_index(ref.shard_id)
+            except KeyError:
+                unmapped.append(module)
+                continue
+            expected_a = (rank, target.in_features)
+            expected_b = (target.out_slices[slice_idx], rank)
+            if (
+                len(a_shape) != 2 or len(b_shape) != 2 or tuple(a_shape) != expected_a or tuple(b_shape) != expected_b
+                or ref.layer not in target.layer_ids(self.num_layers)
+            ):
+                misfits.append(f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A {list(expected_a)}, B {list(expected_b)})")
+                continue
+            r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))
+            alpha = float(_pattern_value(alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg))
+            scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
+            modules.append(LoraModule(module, ref, ab["A"], ab["B"], rank, scale))
+        return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
+
+    def info(self, name: str, src: AdapterSource) -> AdapterInfo:
+        """The adapter's :class:`AdapterInfo`, read from its config and header alone."""
+        return self.modules(name, src, _read_shapes(src.weights_path))[1]
+
+    def check(self, name: str, info: AdapterInfo, *, max_rank: int) -> None:
+        """Refuse an adapter this deployment cannot serve.
+
+        Raises:
+            AdapterError: no LoRA tensors, a rank above ``max_rank``, a module outside the
+                served targets, or a shape that does not fit its target.
+        """
+        if info.rank == 0 and not info.unmapped:
+            raise AdapterError(f"adapter {name!r}: no LoRA tensors (lora_A/lora_B) in the checkpoint")
+        if info.rank > max_rank:
+            raise AdapterError(f"adapter {name!r}: rank {info.rank} is above max_rank {max_rank}")
+        if info.unmapped:
+            raise AdapterError(f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
+                               f"({', '.join(self.targets)})" + (f" and {len(info.unmapped) - 1} more" if len(info.unmapped) > 1 else ""))
+        if info.misfits:
+            raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model "
+                               "(trained on another model size?)")
+
+    def load(self, name: str, src: AdapterSource, layout: SlotLayout, *, max_rank: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """Validate and normalise an adapter into a flat slot image.
+
+        The image ``[layout.numel]`` (``dtype``, CPU) holds every target's A and B, with
+        ``scale`` folded into a copy of B and ranks below ``max_rank`` zero-padded; the
+        checkpoint's tensors are not modified.
+
+        Returns:
+            ``(image, rank)``.
+
+        Raises:
+            AdapterError: for anything :meth:`check_config` or :meth:`check` refuses.
+        """
+        self.check_config(name, src.config)
+        tensors = _load_tensors(src.weights_path)
+        modules, info = self.modules(name, src, {k: tuple(v.shape) for k, v in tensors.items()})
+        self.check(name, info, max_rank=max_rank)
+        image = torch.zeros(layout.numel, dtype=dtype)
+        for m in modules:
+            target = self.targets[m.ref.target]
+            s = target.slice_index(m.ref.shard_id)
+            start, size = target.slice_rows(s)
+            a = layout.a_view(image, m.ref.target, m.ref.layer)
+            b = layout.b_view(image, m.ref.target, m.ref.layer)
+            a[s, : m.rank].copy_(tensors[m.a_key].float())
+            b[start : start + size, : m.rank].copy_(tensors[m.b_key].float() * m.scale)
+        return image, info.rank

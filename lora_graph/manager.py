@@ -1,0 +1,436 @@
+"""The adapter pool: registry, host tier, device slots, routing, and the model wrapper.
+
+Adapters ride into the step as inputs: the routing triple, then one stacked adapter per
+slot (views of one persistent pool). Loading, evicting or replacing an adapter rewrites a
+slot in place; nothing is recompiled and no weight is re-bound.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
+from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
+from lora_graph.layers import BoundInputs, LoRALinear
+from lora_graph.layout import SlotLayout
+from lora_graph.targets import LoraTarget
+
+WeightsAdapter = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+
+
+class HasAdapter(Protocol):
+    adapter: str | None
+
+
+class LoRAStatus(enum.Enum):
+    """The outcome of a load or unload."""
+
+    LOADED = "loaded"
+    RELOADED = "reloaded"  # a known name with new weights
+    UNCHANGED = "unchanged"  # a known name with the same weights
+    UNLOADED = "unloaded"
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every slot holds a pinned adapter or one of the running batch."""
+
+
+class InputSpec(NamedTuple):
+    """One compile input: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class LoadedAdapter:
+    """A registered adapter: its identity (``name``, ``digest``), rank, and host image
+    (None once it has left the host tier; it is read from ``source`` again when needed)."""
+
+    name: str
+    source: AdapterSource
+    digest: str
+    rank: int
+    pinned: bool
+    image: Tensor | None
+
+
+class LoRAManager:
+    """Loads adapters, keeps them in device slots (LRU), and routes a batch through them.
+
+    Args:
+        config: pool sizes and served adapters.
+        targets: the model's LoRA targets by name (narrowed by ``config.targets``).
+        module_map: places a checkpoint module name on a target slice.
+        module_path: ``(target, layer) -> attribute path`` of the base linear in the model.
+        num_layers: layers of the model.
+        dtype: slot dtype (``config.dtype`` wins when set).
+        device: where slots and routing live.
+
+    Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
+    owner is overwritten whole from the adapter's normalised image, so targets the new
+    adapter lacks and ranks above its rank are zero.
+    """
+
+    def __init__(self, config: LoRAConfig, *, targets: dict[str, LoraTarget], module_map: ModuleMap,
+                 module_path: Callable[[str, int], str], num_layers: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if config.targets is not None:
+            unknown = set(config.targets) - set(targets)
+            if unknown:
+                raise ValueError(f"unknown LoRA targets {sorted(unknown)} (the model has {sorted(targets)})")
+            targets = {k: v for k, v in targets.items() if k in config.targets}
+        self.config = config
+        self.targets = targets
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        self.dtype = config.dtype or dtype
+        self.layout = SlotLayout(targets, num_layers, config.max_rank)
+        self.reader = AdapterReader(targets, module_map, num_layers)
+        self._module_path = module_path
+        num_slots = config.num_slots
+        self.pool = torch.zeros(num_slots, self.layout.numel, dtype=self.dtype, device=self.device)
+        self._slot_views = tuple(self.pool[s] for s in range(num_slots))
+        self._slot_owner: list[tuple[str, str] | None] = [None] * num_slots  # (name, digest)
+        self._active: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        self._adapters: dict[str, LoadedAdapter] = {}
+        self._host_lru: OrderedDict[str, None] = OrderedDict()
+        self._running: frozenset[str] = frozenset()
+        self._bound = BoundInputs()
+        self._wrapped: list[str] = []
+        pin = self.device.type == "cuda"
+        self._lora_ids = torch.zeros(config.max_slots, dtype=torch.int32, device=self.device)
+        self._offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
+        self._end = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._staging = torch.zeros(2 * config.max_slots + 2, dtype=torch.int32, pin_memory=pin)
+        self.slot_loads = 0  # weight copies into slots; a steady-state step makes none
+
+    # ---- registry -------------------------------------------------------------------
+    @property
+    def loras(self) -> list[str]:
+        """The loaded adapter names."""
+        return list(self._adapters)
+
+    def is_lora(self, name: str) -> bool:
+        """Whether ``name`` is a loaded adapter."""
+        return name in self._adapters
+
+    def is_active_lora(self, name: str) -> bool:
+        """Whether ``name`` holds a device slot."""
+        return name in self._active
+
+    def adapter(self, name: str) -> LoadedAdapter:
+        """The registry entry of a loaded adapter.
+
+        Raises:
+            KeyError: if ``name`` is not loaded.
+        """
+        try:
+            return self._adapters[name]
+        except KeyError:
+            raise KeyError(f"adapter {name!r} is not loaded") from None
+
+    def adapter_info(self, path: str) -> AdapterInfo:
+        """Rank, unmapped modules and misfits of the adapter at ``path``, from its header."""
+        src = resolve_adapter(path)
+        return self.reader.info(path, src)
+
+    def load_adapter(self, path: str, *, name: str | None = None, pin: bool = False) -> LoRAStatus:
+        """Load one adapter into the host tier (``"name=path"``, or ``path`` as its name).
+
+        A known name with the same weights is left as it is (``UNCHANGED``); with other
+        weights it is replaced (``RELOADED``): the slot holding the old weights is released,
+        so the next step that names it copies the new ones in. The engine loads between
+        steps, so a request in flight runs on the new weights from its next step.
+
+        Raises:
+            AdapterError: if the adapter cannot be served (the message names the cause), or
+                its digest differs from ``config.adapter_digests[name]``.
+            NoFreeSlotError: if ``pin`` and no slot can be given to it.
+        """
+        if name is None:
+            name, _, rest = path.partition("=")
+            if rest:
+                path = rest
+            else:
+                name = path
+        if not name:
+            raise AdapterError(f"{path}: an adapter needs a non-empty name")
+        src = resolve_adapter(path)
+        digest = src.digest()
+        expected = self.config.adapter_digests.get(name)
+        if expected is not None and expected != digest:
+            raise AdapterError(f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected {expected[:12]}…")
+        old = self._adapters.get(name)
+        if old is not None and old.digest == digest:
+            return LoRAStatus.UNCHANGED
+        image, rank = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+        if pin:
+            pinned = sum(a.pinned for a in self._adapters.values() if a.name != name)
+            if pinned >= self.config.max_slots - 1:
+                raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
+        if old is not None:
+            self._release(name)
+        self._adapters[name] = LoadedAdapter(name, src, digest, rank, pin, self._to_host(image))
+        self._touch_host(name)
+        if pin:
+            self.activate_adapter(name)
+        return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
+
+    def unload_adapter(self, name: str) -> LoRAStatus:
+        """Remove ``name`` from the registry and free its slot.
+
+        Raises:
+            KeyError: if ``name`` is not loaded.
+        """
+        self.adapter(name)
+        self._release(name)
+        del self._adapters[name]
+        self._host_lru.pop(name, None)
+        return LoRAStatus.UNLOADED
+
+    def _release(self, name: str) -> None:
+        slot = self._active.pop(name, None)
+        if slot is not None:
+            self._slot_owner[slot] = None
+
+    def _to_host(self, image: Tensor) -> Tensor:
+        return image.pin_memory() if self.device.type == "cuda" else image
+
+    def _touch_host(self, name: str) -> None:
+        self._host_lru[name] = None
+        self._host_lru.move_to_end(name)
+        while len(self._host_lru) > self.config.cpu_capacity:
+            oldest = next(iter(self._host_lru))
+            self._host_lru.pop(oldest)
+            self._adapters[oldest].image = None
+
+    def _host_image(self, entry: LoadedAdapter) -> Tensor:
+        if entry.image is None:
+            if entry.source.digest() != entry.digest:
+                raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
+            image, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+            entry.image = self._to_host(image)
+        self._touch_host(entry.name)
+        return entry.image
+
+    # ---- slots ----------------------------------------------------------------------
+    def activate_adapter(self, name: str) -> int:
+        """Give ``name`` a device slot (LRU) and return it; copies its weights in only if
+        the slot does not already hold them. Never evicts a pinned adapter or one of the
+        running batch.
+
+        Raises:
+            KeyError: if ``name`` is not loaded.
+            NoFreeSlotError: if every slot is pinned or in use by the running batch.
+        """
+        entry = self.adapter(name)
+        slot = self._active.get(name)
+        if slot is not None:
+            self._active.move_to_end(name)
+            return slot
+        slot = self._free_slot()
+        image = self._host_image(entry)
+        self._slot_views[slot].copy_(image, non_blocking=True)
+        self.slot_loads += 1
+        self._slot_owner[slot] = (name, entry.digest)
+        self._active[name] = slot
+        return slot
+
+    def _free_slot(self) -> int:
+        for slot in range(1, self.config.num_slots):
+            if self._slot_owner[slot] is None:
+                return slot
+        for victim, slot in self._active.items():
+            if victim not in self._running and not self._adapters[victim].pinned:
+                del self._active[victim]
+                self._slot_owner[slot] = None
+                return slot
+        raise NoFreeSlotError(f"all {self.config.max_slots} slots hold pinned adapters or adapters of the running batch")
+
+    def can_activate(self, names: set[str]) -> bool:
+        """Whether every adapter in ``names`` can hold a slot at once (the scheduler asks
+        this before admitting a request)."""
+        pinned_other = sum(1 for a in self._adapters.values() if a.pinned and a.name not in names)
+        return len(names) <= self.config.max_slots - pinned_other
+
+    def activate_batch(self, batch: Sequence[HasAdapter]) -> None:
+        """Make every adapter of ``batch`` active, protecting them from each other's eviction.
+
+        Raises:
+            ValueError: if the batch names more distinct adapters than there are slots.
+            KeyError, NoFreeSlotError: as :meth:`activate_adapter`.
+        """
+        names = {r.adapter for r in batch if r.adapter is not None}
+        if len(names) > self.config.max_slots:
+            raise ValueError(f"a batch names {len(names)} distinct adapters but there are {self.config.max_slots} slots")
+        self._running = frozenset(names)
+        for name in names:
+            self.activate_adapter(name)
+
+    def active_adapters_by_slot(self, batch: Sequence[HasAdapter]) -> dict[int, LoadedAdapter]:
+        """Slot -> adapter for the batch's active adapters (base rows and inactive skipped)."""
+        out = {}
+        for r in batch:
+            if r.adapter is not None and r.adapter in self._active:
+                out[self._active[r.adapter]] = self._adapters[r.adapter]
+        return out
+
+    # ---- routing --------------------------------------------------------------------
+    @staticmethod
+    def sort_lora_batch(batch: Sequence[Any]) -> list[Any]:
+        """Order a batch so same-adapter requests are adjacent (in order of first
+        appearance) and base requests last; stable within an adapter."""
+        first: dict[str | None, int] = {}
+        for i, r in enumerate(batch):
+            first.setdefault(r.adapter, i)
+        return sorted(batch, key=lambda r: (r.adapter is None, first[r.adapter]))
+
+    def get_lora_graph_inputs(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
+                              device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The routing triple ``(lora_ids, grouped_offsets, end)`` of a sorted batch.
+
+        Args:
+            batch: requests in step order, sorted by :meth:`sort_lora_batch`; their adapters
+                active.
+            input_row_offsets: ``len(batch) + 1`` token offsets of the rows in the step.
+            device: must be the manager's device if given.
+
+        Returns:
+            the persistent device buffers ``lora_ids [max_slots]``,
+            ``grouped_offsets [max_slots + 1]`` and ``end [1]`` (int32), refilled in place;
+            unused groups are empty and point at slot 0.
+
+        Raises:
+            ValueError: if an adapter row follows a base row, or the batch has more groups
+                than slots (it was not sorted), or an adapter is not active.
+        """
+        if device is not None and torch.device(device) != self.device:
+            raise ValueError(f"routing lives on {self.device}, not {device}")
+        if len(input_row_offsets) != len(batch) + 1:
+            raise ValueError(f"input_row_offsets needs {len(batch) + 1} entries, got {len(input_row_offsets)}")
+        max_groups = self.config.max_slots
+        ids: list[int] = []
+        offsets: list[int] = [int(input_row_offsets[0])]
+        end = offsets[0]
+        prev: str | None = None
+        seen_base = False
+        for i, r in enumerate(batch):
+            if r.adapter is None:
+                seen_base = True
+                continue
+            if seen_base:
+                raise ValueError("the batch is not sorted: an adapter row follows a base row (use sort_lora_batch)")
+            slot = self._active.get(r.adapter)
+            if slot is None:
+                raise ValueError(f"adapter {r.adapter!r} is not active (activate_batch first)")
+            if r.adapter != prev:
+                if len(ids) == max_groups:
+                    raise ValueError(f"the batch has more than {max_groups} adapter groups (use sort_lora_batch)")
+                ids.append(slot)
+                offsets.append(end)
+                prev = r.adapter
+            end = int(input_row_offsets[i + 1])
+            offsets[-1] = end
+        staging = self._staging
+        staging.zero_()
+        staging[: len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        staging[max_groups : max_groups + len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
+        staging[max_groups + len(offsets) : 2 * max_groups + 1] = end
+        staging[2 * max_groups + 1] = end
+        self._lora_ids.copy_(staging[:max_groups], non_blocking=True)
+        self._offsets.copy_(staging[max_groups : 2 * max_groups + 1], non_blocking=True)
+        self._end.copy_(staging[2 * max_groups + 1 :], non_blocking=True)
+        return self._lora_ids, self._offsets, self._end
+
+    def input_buffers(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
+                      device: torch.device | None = None) -> tuple[Tensor, ...]:
+        """The per-call LoRA inputs: the routing triple, then one stacked adapter per slot,
+        in :meth:`symbolic_inputs` order. Every tensor is a persistent buffer; only the
+        routing is refilled."""
+        return (*self.get_lora_graph_inputs(batch, input_row_offsets, device), *self._slot_views)
+
+    def symbolic_inputs(self) -> list[InputSpec]:
+        """The LoRA compile inputs: the routing triple, then one ``[numel]`` stack per slot."""
+        g = self.config.max_slots
+        specs = [InputSpec("lora_ids", (g,), torch.int32), InputSpec("grouped_offsets", (g + 1,), torch.int32),
+                 InputSpec("end", (1,), torch.int32)]
+        specs += [InputSpec(f"slot_{s}", (self.layout.numel,), self.dtype) for s in range(self.config.num_slots)]
+        return specs
+
+    def bind_inputs(self, model: nn.Module, lora_inputs: Sequence[Tensor]) -> None:
+        """Fan the LoRA inputs into every LoRA layer of ``model`` (a module :meth:`wrap`
+        returned); an empty ``lora_inputs`` binds nothing, a base-only step.
+
+        Raises:
+            ValueError: if the count is neither 0 nor the routing triple plus one per slot.
+        """
+        expected = 3 + self.config.num_slots
+        if len(lora_inputs) == 0:
+            self._bound.clear()
+            return
+        if len(lora_inputs) != expected:
+            raise ValueError(f"expected {expected} LoRA inputs (routing triple + {self.config.num_slots} slots), got {len(lora_inputs)}")
+        self._bound.routing = (lora_inputs[0], lora_inputs[1], lora_inputs[2])
+        self._bound.slots = tuple(lora_inputs[3:])
+
+    # ---- model ----------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> LoRAWrapper:
+        """Replace each target linear of ``model`` with a :class:`LoRALinear`, in place, and
+        return a wrapper that takes the LoRA inputs and holds ``model`` at ``.model``."""
+        for target_name, target in self.targets.items():
+            for layer in target.layer_ids(self.num_layers):
+                path = self._module_path(target_name, layer)
+                parent_path, _, attr = path.rpartition(".")
+                parent = model.get_submodule(parent_path) if parent_path else model
+                base = getattr(parent, attr)
+                if not isinstance(base, nn.Linear):
+                    raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
+                setattr(parent, attr, LoRALinear(base, target_name=target_name, target=target, layer=layer,
+                                                 layout=self.layout, bound=self._bound))
+                self._wrapped.append(path)
+        return LoRAWrapper(model, self)
+
+    def lora_weight_adapter(self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = "model") -> WeightsAdapter:
+        """Wrap a checkpoint key adapter so its output loads into the wrapped model: the
+        base linear of each LoRA layer sits at ``<path>.base``, and everything under
+        ``wrapper_prefix``."""
+        wrapped = {p + "." for p in self._wrapped}
+
+        def adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+            out = {}
+            for key, value in base_adapter(state_dict).items():
+                module, _, leaf = key.rpartition(".")
+                if module + "." in wrapped:
+                    key = f"{module}.base.{leaf}"
+                out[f"{wrapper_prefix}.{key}" if wrapper_prefix else key] = value
+            return out
+
+        return adapter
+
+
+class LoRAWrapper(nn.Module):
+    """The top-level module of a LoRA-ready model: binds the LoRA inputs, then runs the
+    inner model (at ``.model``), whose forward stays LoRA-oblivious."""
+
+    def __init__(self, model: nn.Module, manager: LoRAManager) -> None:
+        super().__init__()
+        self.model = model
+        self.manager = manager
+
+    def forward(self, *args: Any, lora_inputs: tuple[Tensor, ...] = ()) -> Any:
+        self.manager.bind_inputs(self, lora_inputs)
+        out = self.model(*args)
+        self.manager._bound.clear()
+        return out
+
+
+__all__ = ["AdapterError", "InputSpec", "LoRAManager", "LoRAStatus", "LoRAWrapper", "LoadedAdapter", "NoFreeSlotError"]

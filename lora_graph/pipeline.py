@@ -1,0 +1,216 @@
+"""The base class for a model with a static KV cache, served with per-request LoRA."""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lora_graph.config import LoRAConfig
+from lora_graph.manager import HasAdapter, LoRAManager, WeightsAdapter
+from lora_graph.targets import LoraModuleRef, LoraTarget
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"|"bfloat16"|"float16"`` (or a dtype) to a ``torch.dtype``.
+
+    Raises:
+        ValueError: for any other name.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r} (one of {', '.join(_DTYPES)})") from None
+
+
+def resolve_model_path(path: str) -> str:
+    """A local model directory, or a Hugging Face repo id fetched with
+    ``huggingface_hub.snapshot_download`` (which honours ``HF_HUB_OFFLINE`` and its cache).
+
+    Raises:
+        FileNotFoundError: if ``path`` is neither a directory with ``config.json`` nor a
+            repo id that can be fetched.
+    """
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path}: no config.json in the model directory")
+        return path
+    if os.path.exists(path) or path.count("/") != 1:
+        raise FileNotFoundError(f"{path}: not a model directory or a Hugging Face repo id")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as e:  # the hub raises many kinds; the cause goes into the message
+        raise FileNotFoundError(f"{path}: not a local directory, and fetching it from the Hugging Face hub failed ({e})") from e
+
+
+def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards a
+    ``model.safetensors.index.json`` names.
+
+    Raises:
+        FileNotFoundError: if the directory has neither.
+    """
+    from safetensors.torch import load_file
+
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return load_file(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state: dict[str, Tensor] = {}
+        for shard in shards:
+            state.update(load_file(os.path.join(model_dir, shard)))
+        return state
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+@dataclass
+class ModelInputs:
+    """One step's inputs, in the compiled step's order.
+
+    ``tokens``/``positions`` ``[B, T]`` int64, ``cache_rows`` ``[B]`` int64,
+    ``logits_index`` ``[B]`` int64 or None (all positions), ``prefill`` the phase, and
+    ``lora_inputs`` the routing triple plus slot stacks, or ``()`` for a base-only step.
+    """
+
+    tokens: Tensor
+    positions: Tensor
+    cache_rows: Tensor
+    logits_index: Tensor | None
+    prefill: bool
+    lora_inputs: tuple[Tensor, ...] = ()
+
+
+class PipelineModelWithKVCache(abc.ABC):
+    """A model architecture with a static KV cache, served with per-request LoRA.
+
+    A subclass implements :meth:`_create_model_config` (the architecture's config from the
+    Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA targets
+    (:meth:`lora_targets`, :meth:`lora_module_map`, :meth:`lora_module_path`) and
+    :meth:`weights_adapter` (checkpoint key renaming). :meth:`load_model` builds the module,
+    wraps it with the LoRA manager, and loads the checkpoint through the adapter.
+
+    Args:
+        model_path: a Hugging Face model directory or repo id.
+        dtype: parameter and activation dtype.
+        device: where the model runs.
+        max_batch_size: KV cache rows (requests in flight).
+        max_seq_len: positions per KV cache row.
+        lora: the adapter pool's config, or None to serve the base model only.
+
+    Raises:
+        FileNotFoundError, ValueError: for a model that cannot be found or is not supported.
+    """
+
+    def __init__(self, model_path: str, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+                 max_batch_size: int = 8, max_seq_len: int = 512, lora: LoRAConfig | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.model_dir = resolve_model_path(model_path)
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.config = self._create_model_config(self.hf_config)
+        self.manager: LoRAManager | None = None
+        if lora is not None:
+            self.manager = LoRAManager(lora, targets=self.lora_targets(), module_map=self.lora_module_map,
+                                       module_path=self.lora_module_path, num_layers=self.num_layers,
+                                       dtype=self.dtype, device=self.device)
+        self.model = self.load_model()
+        self.step: Callable[..., Tensor] = self.model
+
+    # ---- what an architecture declares ----------------------------------------------
+    @abc.abstractmethod
+    def _create_model_config(self, hf_config: Any) -> Any:
+        """The architecture's config from the Hugging Face config."""
+
+    @abc.abstractmethod
+    def _instantiate_module(self, config: Any) -> nn.Module:
+        """The root module, parameters in the default dtype and device."""
+
+    @property
+    @abc.abstractmethod
+    def num_layers(self) -> int: ...
+
+    @abc.abstractmethod
+    def lora_targets(self) -> dict[str, LoraTarget]: ...
+
+    @abc.abstractmethod
+    def lora_module_map(self, module: str) -> LoraModuleRef | None: ...
+
+    @abc.abstractmethod
+    def lora_module_path(self, target: str, layer: int) -> str: ...
+
+    @abc.abstractmethod
+    def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]: ...
+
+    # ---- building ---------------------------------------------------------------------
+    def load_model(self) -> nn.Module:
+        """Build the module, wrap it for LoRA, and load the checkpoint into it.
+
+        Raises:
+            ValueError: if the checkpoint lacks a weight the module needs.
+        """
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                module = self._instantiate_module(self.config)
+        finally:
+            torch.set_default_dtype(previous)
+        adapter: WeightsAdapter = self.weights_adapter
+        root: nn.Module = module
+        if self.manager is not None:
+            root = self.manager.wrap(module)
+            adapter = self.manager.lora_weight_adapter(self.weights_adapter)
+        state = {k: v.to(self.dtype) for k, v in adapter(read_checkpoint(self.model_dir)).items()}
+        missing, unexpected = root.load_state_dict(state, strict=False)
+        tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(self.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied:
+            raise ValueError(f"{self.model_dir}: checkpoint lacks {sorted(set(missing) - tied)[:5]}")
+        if unexpected:
+            raise ValueError(f"{self.model_dir}: checkpoint has weights the model does not use: {sorted(unexpected)[:5]}")
+        return root.eval().requires_grad_(False)
+
+    # ---- running ----------------------------------------------------------------------
+    def prepare(self, rows: Sequence[HasAdapter], *, tokens: Tensor, positions: Tensor, cache_rows: Tensor,
+                logits_index: Tensor | None, prefill: bool) -> ModelInputs:
+        """Make the rows' adapters active and build the step's inputs.
+
+        ``rows`` are the batch rows in step order (sorted by adapter, base last), one per
+        row of ``tokens``. A step where no row names an adapter gets no LoRA inputs.
+        """
+        lora_inputs: tuple[Tensor, ...] = ()
+        if any(r.adapter is not None for r in rows):
+            if self.manager is None:
+                raise ValueError("a row names an adapter but LoRA is not enabled")
+            self.manager.activate_batch(rows)
+            seq = tokens.shape[1]
+            offsets = [i * seq for i in range(len(rows) + 1)]
+            lora_inputs = self.manager.input_buffers(rows, offsets)
+        return ModelInputs(tokens, positions, cache_rows, logits_index, prefill, lora_inputs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: ModelInputs) -> Tensor:
+        """Run one step; float32 logits ``[B, vocab]`` (``[B, T, vocab]`` without
+        ``logits_index``)."""
+        args = (inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill)
+        if self.manager is None:
+            return self.step(*args)
+        return self.step(*args, lora_inputs=inputs.lora_inputs)

@@ -1,0 +1,81 @@
+"""What a model declares about the linears an adapter may touch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+
+class LoraModuleRef(NamedTuple):
+    """Where one checkpoint module's adapter lands: a target, a layer, and the slice's
+    checkpoint name (``"q_proj"``), or None for a single-slice target."""
+
+    target: str
+    layer: int
+    shard_id: str | int | None = None
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One family of linears an adapter may touch, e.g. every layer's fused ``qkv_proj``.
+
+    Shapes are the unsharded linear's. ``out_slices`` lists the output widths of a fused
+    projection in order (``(q, k, v)``); each slice has its own A ``[r, in_features]`` and
+    B ``[out_slice, r]``, named in a checkpoint by its entry in ``slice_names``. A plain
+    linear has one slice.
+
+    ``parallel`` says how the base linear is split across tensor-parallel ranks:
+    ``"column"`` splits output rows (A replicated, B split by rows of each slice);
+    ``"row"`` splits input columns (A split along the input, B replicated; the delta is a
+    partial sum added before the layer's all-reduce); ``"none"`` keeps it whole.
+    ``slice_units`` counts the shardable units (heads) of each slice: a slice with fewer
+    units than ranks is replicated, as GQA's K/V are. ``layers`` names the layers the
+    target exists on (None: all). ``kind="embedding"`` is a token embedding and
+    ``per_segment`` a linear that sees one row per request (an LM head).
+    """
+
+    in_features: int
+    out_slices: tuple[int, ...]
+    parallel: Literal["column", "row", "none"] = "column"
+    slice_names: tuple[str | int, ...] = ()
+    slice_units: tuple[int, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    kind: Literal["linear", "embedding"] = "linear"
+    per_segment: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.out_slices or any(w <= 0 for w in self.out_slices):
+            raise ValueError(f"out_slices must be positive widths, got {self.out_slices}")
+        if self.slice_names and len(self.slice_names) != len(self.out_slices):
+            raise ValueError(f"slice_names {self.slice_names} do not match out_slices {self.out_slices}")
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.out_slices)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_slices)
+
+    def slice_index(self, shard_id: str | int | None) -> int:
+        """Which slice a checkpoint module lands on, from its slice name.
+
+        Raises:
+            KeyError: if ``shard_id`` names no slice of this target.
+        """
+        if shard_id is None or (self.num_slices == 1 and not self.slice_names):
+            if self.num_slices != 1:
+                raise KeyError(f"a slice name is needed for a fused target with slices {self.slice_names}")
+            return 0
+        if shard_id in self.slice_names:
+            return self.slice_names.index(shard_id)
+        if isinstance(shard_id, int) and 0 <= shard_id < self.num_slices:
+            return shard_id
+        raise KeyError(f"no slice {shard_id!r} in {self.slice_names}")
+
+    def slice_rows(self, slice_idx: int) -> tuple[int, int]:
+        """``(start, size)`` of slice ``slice_idx``'s rows in the fused output."""
+        return sum(self.out_slices[:slice_idx]), self.out_slices[slice_idx]
+
+    def layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(range(num_layers)) if self.layers is None else self.layers

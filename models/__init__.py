@@ -1,0 +1,22 @@
+"""Model architectures, importable as ``lora_graph.models``."""
+
+from __future__ import annotations
+
+from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline
+
+PIPELINES = {"llama": LlamaPipeline, "mistral": LlamaPipeline, "qwen2": LlamaPipeline}
+
+
+def pipeline_class(model_type: str) -> type[LlamaPipeline]:
+    """The pipeline class serving a Hugging Face ``model_type``.
+
+    Raises:
+        ValueError: for a model type no pipeline serves.
+    """
+    try:
+        return PIPELINES[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model type {model_type!r} (supported: {', '.join(PIPELINES)})") from None
+
+
+__all__ = ["PIPELINES", "LlamaConfig", "LlamaModel", "LlamaPipeline", "pipeline_class"]

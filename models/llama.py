@@ -1,0 +1,360 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) as plain modules with a static KV cache.
+
+One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
+with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a KV cache allocated
+once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face names are
+mapped onto this layout by :func:`hf_weights_adapter`, so the model never sees the file
+format.
+
+A step takes ``tokens [B, T]``, ``positions [B, T]`` and ``cache_rows [B]`` (the KV cache
+row each batch row owns). Prefill (``prefill=True``) starts every row at position 0 and
+attends within its own tokens; decode (``T == 1``) attends over the cache, and needs the
+batch's ``cache_rows`` to be a permutation of ``range(B)`` (the scheduler pads a batch with
+free rows so it is), so the cache is read as the view ``cache[:B]`` and never gathered.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lora_graph.pipeline import PipelineModelWithKVCache
+from lora_graph.targets import LoraModuleRef, LoraTarget
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture sizes of a Llama-family model (field names follow Hugging Face's)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> LlamaConfig:
+        """Read a ``transformers`` config of model type llama, mistral or qwen2.
+
+        Raises:
+            ValueError: for another model type, or a RoPE scaling type not supported.
+        """
+        model_type = getattr(hf, "model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model type {model_type!r} (llama, mistral, qwen2)")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+        scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+        scaling = None if rope_type == "default" else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        bias = bool(getattr(hf, "attention_bias", False))
+        window = getattr(hf, "sliding_window", None)
+        if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=bias or model_type == "qwen2",
+            o_bias=bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with Llama-3 or linear scaling.
+
+    Llama-3 scaling follows ``transformers``' ``_compute_llama3_parameters``: wavelengths
+    above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
+    those below ``.../high_freq_factor`` kept, and the band between interpolated.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling.get("rope_type") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Static K and V buffers ``[max_batch, kv_heads, max_seq_len, head_dim]``, allocated once."""
+
+    def __init__(self, max_batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (max_batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def write(self, cache_rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``/``v`` ``[B, kv_heads, T, head_dim]`` at ``(cache_rows[b], positions[b, t])``."""
+        rows = cache_rows[:, None].expand_as(positions)
+        self.k[rows, :, positions] = k.transpose(1, 2)
+        self.v[rows, :, positions] = v.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.kv_cache = kv_cache
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool) -> Tensor:
+        c = self.config
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(bsz, seqlen, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        self.kv_cache.write(cache_rows, positions, k, v)
+        if prefill:
+            mask = positions[:, None, :, None] >= positions[:, None, None, :]
+            if c.sliding_window is not None:
+                mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < c.sliding_window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            # Decode: rows to cache order (cache_rows is a permutation of range(B)), attend
+            # over the cache view, and back. Only activations move, never the cache.
+            qc = torch.empty_like(q).index_copy_(0, cache_rows, q)
+            pos_c = torch.empty_like(positions).index_copy_(0, cache_rows, positions)
+            key_pos = torch.arange(self.kv_cache.k.shape[2], device=x.device)
+            mask = key_pos[None, :] <= pos_c
+            if c.sliding_window is not None:
+                mask = mask & (key_pos[None, :] > pos_c - c.sliding_window)
+            out = F.scaled_dot_product_attention(
+                qc, self.kv_cache.k[:bsz], self.kv_cache.v[:bsz], attn_mask=mask[:, None, None, :], enable_gqa=True
+            )
+            out = out[cache_rows]
+        out = out.transpose(1, 2).reshape(bsz, seqlen, c.q_size)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, kv_cache)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_rows, prefill)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head, with a static KV cache.
+
+    Args:
+        config: the architecture.
+        max_batch: KV cache rows (the most requests in flight).
+        max_seq_len: positions per KV cache row (prompt plus generated tokens).
+        dtype: parameter, activation and KV cache dtype.
+    """
+
+    def __init__(self, config: LlamaConfig, *, max_batch: int, max_seq_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype))
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor | None, prefill: bool) -> Tensor:
+        """One step.
+
+        Args:
+            tokens: ``[B, T]`` int64 token ids.
+            positions: ``[B, T]`` int64 positions (prefill: ``0..T-1`` per row).
+            cache_rows: ``[B]`` int64 KV cache row of each batch row.
+            logits_index: ``[B]`` int64 position within ``T`` whose logits to return per
+                row, or ``None`` for the logits of every token.
+            prefill: True to attend within the step's own tokens (rows start at 0);
+                False for decode (``T == 1``) over the cache.
+
+        Returns:
+            float32 logits ``[B, vocab]`` (or ``[B, T, vocab]`` when ``logits_index`` is None).
+        """
+        x = self.embed_tokens(tokens)
+        cos = self.rope_cos[positions].to(x.dtype)
+        sin = self.rope_sin[positions].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, cache_rows, prefill)
+        if logits_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_index]
+        return self.lm_head(self.norm(x)).float()
+
+
+def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
+    """The four LoRA target families of a Llama layer, fused as the model fuses them."""
+    c = config
+    return {
+        "qkv_proj": LoraTarget(c.hidden_size, (c.q_size, c.kv_size, c.kv_size), "column", ("q_proj", "k_proj", "v_proj"),
+                               slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)),
+        "o_proj": LoraTarget(c.q_size, (c.hidden_size,), "row", ("o_proj",)),
+        "gate_up_proj": LoraTarget(c.hidden_size, (c.intermediate_size,) * 2, "column", ("gate_proj", "up_proj")),
+        "down_proj": LoraTarget(c.intermediate_size, (c.hidden_size,), "row", ("down_proj",)),
+    }
+
+
+_MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
+_SLICE_TARGET = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def lora_module_map(module: str) -> LoraModuleRef | None:
+    """Place a checkpoint module (``model.layers.3.self_attn.q_proj``) on a target slice."""
+    m = _MODULE_RE.search(module)
+    if m is None:
+        return None
+    return LoraModuleRef(_SLICE_TARGET[m.group(2)], int(m.group(1)), m.group(2))
+
+
+def lora_module_path(target: str, layer: int) -> str:
+    """The attribute path of a target's linear in :class:`LlamaModel`."""
+    parent = "self_attn" if target in ("qkv_proj", "o_proj") else "mlp"
+    return f"layers.{layer}.{parent}.{target}"
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename a Hugging Face Llama/Mistral/Qwen2 state dict to :class:`LlamaModel`'s names.
+
+    Drops the ``model.`` prefix and concatenates q/k/v into ``qkv_proj`` and gate/up into
+    ``gate_up_proj`` (weights and biases), in slice order.
+    """
+    out: dict[str, Tensor] = {}
+    parts: dict[str, dict[int, Tensor]] = {}
+    for key, tensor in state_dict.items():
+        name = key.removeprefix("model.")
+        if "rotary_emb" in name:
+            continue
+        m = re.match(r"(layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.(weight|bias)$", name)
+        if m and m.group(2) in _FUSED:
+            fused, idx = _FUSED[m.group(2)]
+            parts.setdefault(f"{m.group(1)}.{fused}.{m.group(3)}", {})[idx] = tensor
+        else:
+            out[name] = tensor
+    for name, pieces in parts.items():
+        out[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+    return out
+
+
+class LlamaPipeline(PipelineModelWithKVCache):
+    """Llama 2/3, Mistral and Qwen2 checkpoints in Hugging Face format."""
+
+    def _create_model_config(self, hf_config: Any) -> LlamaConfig:
+        return LlamaConfig.from_hf(hf_config)
+
+    def _instantiate_module(self, config: LlamaConfig) -> LlamaModel:
+        return LlamaModel(config, max_batch=self.max_batch_size, max_seq_len=self.max_seq_len, dtype=self.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        return lora_targets(self.config)
+
+    def lora_module_map(self, module: str) -> LoraModuleRef | None:
+        return lora_module_map(module)
+
+    def lora_module_path(self, target: str, layer: int) -> str:
+        return lora_module_path(target, layer)
+
+    def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        return hf_weights_adapter(state_dict)
