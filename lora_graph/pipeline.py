@@ -188,6 +188,10 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(f"{self.model_dir}: checkpoint has weights the model does not use: {sorted(unexpected)[:5]}")
         return root.eval().requires_grad_(False)
 
+    def enable_compile(self, mode: str) -> None:
+        """Run steps through captured graphs (``"inductor"`` or ``"cudagraph"``)."""
+        raise NotImplementedError(f"--compile {mode} is not available yet")
+
     # ---- running ----------------------------------------------------------------------
     def prepare(self, rows: Sequence[HasAdapter], *, tokens: Tensor, positions: Tensor, cache_rows: Tensor,
                 logits_index: Tensor | None, prefill: bool) -> ModelInputs:

@@ -1,0 +1,246 @@
+"""The ``lora-graph`` command: ``generate`` over a model and adapters, and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from lora_graph.config import AdapterError, LoRAConfig
+from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams
+from lora_graph.manager import NoFreeSlotError
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """An error reported as one line and exit status 2, without a traceback."""
+
+
+def _assets_dir() -> Path:
+    for candidate in (Path.cwd() / "examples" / "assets", Path(__file__).resolve().parents[1] / "examples" / "assets"):
+        if (candidate / "base" / "config.json").is_file():
+            return candidate
+    raise CliError("the bundled demo assets (examples/assets) were not found; run from the repository root")
+
+
+def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank: int, dtype: str, device: str,
+                 max_batch_size: int, max_seq_len: int, compile_mode: str = "none") -> tuple[LLMEngine, Any]:
+    """Load the model, tokenizer and adapters; return the engine and the tokenizer.
+
+    Raises:
+        CliError: if the model or an adapter cannot be loaded (the message names which).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lora_graph.models import pipeline_class
+    from lora_graph.pipeline import resolve_model_path
+
+    try:
+        model_dir = resolve_model_path(model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        cls = pipeline_class(hf_config.model_type)
+        lora = LoRAConfig(max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))) if loras else None
+        pipeline = cls(model_dir, dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, lora=lora)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise CliError(f"model {model!r}: {e}") from e
+    if compile_mode != "none":
+        pipeline.enable_compile(compile_mode)
+    for spec in loras:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
+        try:
+            pipeline.manager.load_adapter(path, name=name)
+        except (AdapterError, NoFreeSlotError) as e:
+            raise CliError(f"adapter {name!r}: {e}") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        tokenizer = None
+    return LLMEngine(pipeline, eos_token_ids=_eos_ids(model_dir, hf_config)), tokenizer
+
+
+def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
+    from transformers import GenerationConfig
+
+    eos: Any = getattr(hf_config, "eos_token_id", None)
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
+    except OSError:
+        pass
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> tuple[list[Request], dict[str, str]]:
+    """Parse a JSON-lines requests file; lines that are not valid requests become errors."""
+    requests: list[Request] = []
+    errors: dict[str, str] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise CliError(f"--requests {path}: {e}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rid = f"line-{n}"
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("a request must be a JSON object")
+            rid = str(obj.get("id", rid))
+            requests.append(_request_from_json(obj, rid, tokenizer, defaults))
+        except (ValueError, TypeError) as e:
+            errors[rid] = f"line {n}: {e}"
+            requests.append(Request(rid, [], None))
+    return requests, errors
+
+
+def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams) -> Request:
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+    elif "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise ValueError("prompt must be a string")
+        if tokenizer is None:
+            raise ValueError("the model has no tokenizer; give prompt_token_ids")
+        ids = tokenizer(obj["prompt"])["input_ids"]
+    else:
+        raise ValueError("a request needs 'prompt' or 'prompt_token_ids'")
+    adapter = obj.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise ValueError("adapter must be a string or null")
+    sampling = SamplingParams(
+        max_new_tokens=obj.get("max_new_tokens", defaults.max_new_tokens),
+        temperature=obj.get("temperature", defaults.temperature),
+        top_k=obj.get("top_k", defaults.top_k),
+        top_p=obj.get("top_p", defaults.top_p),
+        seed=obj.get("seed", defaults.seed),
+    )
+    return Request(rid, ids, adapter, sampling)
+
+
+def _output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+    if out.error is not None:
+        return {"id": out.id, "error": out.error}
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    return {"id": out.id, "adapter": out.adapter, "token_ids": out.token_ids, "text": text}
+
+
+def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
+    engine, tokenizer = build_engine(args.model, args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                                     dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                                     max_seq_len=args.max_seq_len, compile_mode=args.compile)
+    defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    if args.requests:
+        requests, errors = _read_requests(args.requests, tokenizer, defaults)
+    else:
+        if tokenizer is None:
+            raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
+        requests, errors = [Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults)], {}
+    outputs = engine.generate([r for r in requests if r.id not in errors]) if requests else []
+    by_id = {o.id: o for o in outputs}
+    lines = []
+    for r in requests:
+        out = by_id.get(r.id) or RequestOutput(r.id, r.adapter, error=errors.get(r.id))
+        lines.append(json.dumps(_output_json(out, tokenizer)))
+    if args.output:
+        Path(args.output).write_text("".join(line + "\n" for line in lines))
+    else:
+        for line in lines:
+            print(line, file=stdout)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
+    assets = Path(args.assets) if args.assets else _assets_dir()
+    adapters = sorted(p for p in (assets / "adapters").iterdir() if (p / "adapter_config.json").is_file())
+    engine, tokenizer = build_engine(str(assets / "base"), [f"{p.name}={p}" for p in adapters],
+                                     max_loras=max(1, len(adapters)), max_lora_rank=64, dtype=args.dtype, device=args.device,
+                                     max_batch_size=16, max_seq_len=256, compile_mode=args.compile)
+    names: list[str | None] = [None, *(p.name for p in adapters)]
+    requests = []
+    for i, prompt in enumerate(args.prompts):
+        ids = tokenizer(prompt)["input_ids"]
+        for name in names:
+            requests.append(Request(f"{i}:{name or 'base'}", ids, name, SamplingParams(max_new_tokens=args.max_new_tokens)))
+    print(f"serving {len(requests)} requests in one batch: base + adapters {', '.join(p.name for p in adapters)}", file=stdout)
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    for req, out in zip(requests, outputs, strict=True):
+        text = out.error or tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        prompt = tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
+        print(f"[{req.adapter or 'base':>8}] {prompt!r} -> {text!r}", file=stdout)
+    generated = sum(len(o.token_ids) for o in outputs)
+    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
+          f"({engine.steps['prefill']} prefill + {engine.steps['decode']} decode steps, {args.device})", file=stdout)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-graph", description="Serve one base model and many LoRA adapters in one batch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
+    common.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="where to run (default: cuda if available, else cpu)")
+    common.add_argument("--compile", default="none", choices=["none", "inductor", "cudagraph"],
+                        help="step execution: eager, torch.compile (inductor), or CUDA graphs over it (default: none)")
+
+    gen = sub.add_parser("generate", parents=[common], help="generate for one prompt or a JSON-lines requests file",
+                         description="Generate text for one prompt or for a requests file, each request under its adapter, batched together.")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2)")
+    gen.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                     help="serve an adapter under NAME: a PEFT directory, safetensors file or hub repo id (repeatable)")
+    gen.add_argument("--max-loras", type=int, default=4, help="device slots: adapters resident at once (default: 4)")
+    gen.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)")
+    gen.add_argument("--max-batch-size", type=int, default=16, help="requests in flight at once (default: 16)")
+    gen.add_argument("--max-seq-len", type=int, default=512, help="prompt + generated tokens per request (default: 512)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (with --adapter to choose its adapter)")
+    src.add_argument("--requests", metavar="FILE.jsonl",
+                     help='one JSON object a line: {"id", "prompt" | "prompt_token_ids", "adapter", "max_new_tokens", "temperature"}')
+    gen.add_argument("--adapter", default=None, help="adapter name for --prompt (default: the base model)")
+    gen.add_argument("--max-new-tokens", type=int, default=32, help="default tokens to generate (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="default temperature; 0 is greedy (default: 0)")
+    gen.add_argument("--top-k", type=int, default=0, help="default top-k; 0 keeps all (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="default top-p (default: 1.0)")
+    gen.add_argument("--seed", type=int, default=None, help="default sampling seed per request")
+    gen.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", parents=[common], help="one mixed batch on the bundled demo model and adapters",
+                          description="Run the base model and every bundled adapter, interleaved in one batch, and print the outputs.")
+    demo.add_argument("--assets", default=None, help="assets directory (default: examples/assets)")
+    demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens per request (default: 24)")
+    demo.add_argument("--prompts", nargs="+", default=["Once upon a time", "The little dog"], help="prompts to run")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None, stdout: TextIO | None = None) -> int:
+    """Entry point of ``lora-graph``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return args.func(args, stdout or sys.stdout)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Generation: continuous batching over the static KV cache, each request under its adapter.
+
+Each :meth:`LLMEngine.step` is either a prefill of newly admitted requests (batched,
+right-padded) or one decode step of every running request. A request is admitted when a
+KV cache row is free and its adapter can hold a slot beside those of the running batch;
+otherwise it waits, and the least recently used adapter not in the running batch gives up
+its slot when it is admitted. Requests leave on EOS, a stop token, ``max_new_tokens`` or
+the end of the KV cache row.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lora_graph.config import LoraReqConfig
+from lora_graph.pipeline import PipelineModelWithKVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens.
+
+    Attributes:
+        max_new_tokens: the most tokens to generate.
+        temperature: 0 for greedy; otherwise logits are divided by it before sampling.
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
+        seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
+        stop_token_ids: tokens that end the request (kept in the output), besides EOS.
+        ignore_eos: keep generating past EOS.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first out-of-range value."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass
+class Request:
+    """One generation request: prompt token ids and the adapter it runs under (None: base)."""
+
+    id: str
+    prompt_token_ids: list[int]
+    adapter: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: generated ``token_ids`` (prompt excluded), or ``error``."""
+
+    id: str
+    adapter: str | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", or None with an error
+    error: str | None = None
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    cache_row: int
+    generator: torch.Generator | None
+    tokens: list[int]
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def adapter(self) -> str | None:
+        return self.request.adapter
+
+
+@dataclass
+class _Pad:
+    """A padding row of a decode batch: a free KV cache row, base model."""
+
+    cache_row: int
+    adapter: None = None
+
+
+class LLMEngine:
+    """Serves requests through a pipeline, continuously batched.
+
+    Args:
+        pipeline: the loaded model (its ``max_batch_size`` bounds the running batch).
+        eos_token_ids: tokens that end a request unless ``ignore_eos``.
+    """
+
+    def __init__(self, pipeline: PipelineModelWithKVCache, *, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.pipeline = pipeline
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.finished: dict[str, RequestOutput] = {}
+        self._free_rows = list(range(pipeline.max_batch_size))
+        self.steps = {"prefill": 0, "decode": 0}
+
+    # ---- admission --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request. A bad one finishes at once with an ``error``
+        naming the cause; nothing else is affected."""
+        try:
+            self._validate(request)
+        except ValueError as e:
+            self.finished[request.id] = RequestOutput(request.id, request.adapter, error=str(e))
+            return
+        s = request.sampling
+        generator = None
+        if s.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.waiting.append(_Sequence(request, -1, generator, list(request.prompt_token_ids)))
+
+    def _validate(self, request: Request) -> None:
+        manager = self.pipeline.manager
+        LoraReqConfig(request.adapter).validate(manager.loras if manager is not None else ())
+        request.sampling.validate()
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.pipeline.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt) >= self.pipeline.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} fit (max_seq_len)")
+
+    def _admit(self) -> list[_Sequence]:
+        admitted: list[_Sequence] = []
+        manager = self.pipeline.manager
+        names = {s.adapter for s in self.running if s.adapter is not None}
+        while self.waiting and self._free_rows:
+            seq = self.waiting[0]
+            if seq.adapter is not None and manager is not None:
+                if not manager.is_lora(seq.adapter):  # unloaded while it waited
+                    self.waiting.popleft()
+                    self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter,
+                                                                  error=f"adapter {seq.adapter!r} was unloaded")
+                    continue
+                if not manager.can_activate(names | {seq.adapter}):
+                    break
+                names.add(seq.adapter)
+            self.waiting.popleft()
+            seq.cache_row = self._free_rows.pop(0)
+            admitted.append(seq)
+        return admitted
+
+    # ---- stepping ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> None:
+        """Run one prefill (if requests were admitted) or one decode step."""
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        elif self.running:
+            self._decode()
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        seqs = self.pipeline.manager.sort_lora_batch(seqs) if self.pipeline.manager else seqs
+        dev = self.pipeline.device
+        length = max(len(s.tokens) for s in seqs)
+        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        positions = torch.arange(length).expand(len(seqs), length)
+        cache_rows = torch.tensor([s.cache_row for s in seqs])
+        last = torch.tensor([len(s.tokens) - 1 for s in seqs])
+        inputs = self.pipeline.prepare(seqs, tokens=tokens.to(dev), positions=positions.to(dev),
+                                       cache_rows=cache_rows.to(dev), logits_index=last.to(dev), prefill=True)
+        logits = self.pipeline.execute(inputs)
+        self.steps["prefill"] += 1
+        self.running.extend(seqs)
+        self._sample_and_advance(seqs, logits)
+
+    def _decode(self) -> None:
+        manager = self.pipeline.manager
+        seqs = manager.sort_lora_batch(self.running) if manager else list(self.running)
+        width = max(s.cache_row for s in seqs) + 1
+        used = {s.cache_row for s in seqs}
+        rows: list[Any] = [*seqs, *(_Pad(r) for r in range(width) if r not in used)]
+        dev = self.pipeline.device
+        tokens = torch.tensor([[s.tokens[-1]] for s in seqs] + [[0]] * (width - len(seqs)))
+        positions = torch.tensor([[len(s.tokens) - 1] for s in seqs] + [[0]] * (width - len(seqs)))
+        cache_rows = torch.tensor([r.cache_row for r in rows])
+        inputs = self.pipeline.prepare(rows, tokens=tokens.to(dev), positions=positions.to(dev),
+                                       cache_rows=cache_rows.to(dev), logits_index=torch.zeros(width, dtype=torch.long, device=dev),
+                                       prefill=False)
+        logits = self.pipeline.execute(inputs)
+        self.steps["decode"] += 1
+        self._sample_and_advance(seqs, logits[: len(seqs)])
+
+    def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
+        logits = logits.float().cpu()
+        for seq, row in zip(seqs, logits, strict=True):
+            token = sample(row, seq.request.sampling, seq.generator)
+            seq.tokens.append(token)
+            seq.generated.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._free_rows.append(seq.cache_row)
+                self._free_rows.sort()
+                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter, seq.generated, reason)
+
+    def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
+        s = seq.request.sampling
+        if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            return "stop"
+        if len(seq.generated) >= s.max_new_tokens or len(seq.tokens) >= self.pipeline.max_seq_len:
+            return "length"
+        return None
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Serve every request to completion; outputs in the order of ``requests``.
+
+        Raises:
+            ValueError: if two requests share an id.
+        """
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            self.step()
+        return [self.finished.pop(i) for i in ids]
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
+    from the temperature-scaled distribution restricted by top-k then top-p."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits).item())
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p  # keep the first token always
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,161 @@
+"""Tiny models and PEFT adapters, built in the test session (nothing is downloaded).
+
+The reference for every engine output is Hugging Face ``transformers`` + ``peft`` on the
+same checkpoint, run one request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# name -> (peft LoraConfig kwargs, factor B is multiplied by so the delta is large)
+ADAPTERS = {
+    "A": (dict(r=8, lora_alpha=16, target_modules=ALL_LINEARS), 20.0),
+    "B": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True), 40.0),
+    "C": (dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "down_proj"]), 20.0),
+}
+
+
+@dataclass
+class Row:
+    """A batch row as the manager sees it."""
+
+    adapter: str | None
+
+
+@dataclass
+class Tiny:
+    """A tiny model directory, its adapters' directories, and the kind of model."""
+
+    kind: str
+    base: Path
+    adapters: dict[str, Path]
+    vocab_size: int
+
+
+def make_hf_model(kind: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2))
+        with torch.no_grad():  # make the q/k/v biases visible
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        return model
+    extra = {"gqa": dict(num_key_value_heads=2),
+             "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+             "llama3": dict(num_key_value_heads=1, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                       high_freq_factor=4.0, original_max_position_embeddings=16))}[kind]
+    return LlamaForCausalLM(LlamaConfig(**common, **extra))
+
+
+def make_peft_adapter(base_dir: Path, out_dir: Path, *, seed: int, factor: float, **lora_kwargs) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora_kwargs))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(factor)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    cache: dict[str, Tiny] = {}
+
+    def build(kind: str) -> Tiny:
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(kind)
+            make_hf_model(kind).save_pretrained(root / "base")
+            adapters = {name: make_peft_adapter(root / "base", root / name, seed=i + 10, factor=f, **kw)
+                        for i, (name, (kw, f)) in enumerate(ADAPTERS.items())}
+            cache[kind] = Tiny(kind, root / "base", adapters, 128)
+        return cache[kind]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_factory) -> Tiny:
+    return tiny_factory("gqa")
+
+
+class PeftReference:
+    """Per-request reference: ``transformers`` + ``peft`` with every adapter loaded."""
+
+    def __init__(self, t: Tiny) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(t.base).eval()
+        names = list(t.adapters)
+        self.model = PeftModel.from_pretrained(base, t.adapters[names[0]], adapter_name=names[0]).eval()
+        for name in names[1:]:
+            self.model.load_adapter(t.adapters[name], adapter_name=name)
+
+    @torch.no_grad()
+    def logits(self, ids: list[int], adapter: str | None) -> torch.Tensor:
+        x = torch.tensor([ids])
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self.model(x).logits[0].float()
+        self.model.set_adapter(adapter)
+        return self.model(x).logits[0].float()
+
+    def greedy(self, ids: list[int], adapter: str | None, n: int) -> list[int]:
+        ids = list(ids)
+        out = []
+        for _ in range(n):
+            token = int(self.logits(ids, adapter)[-1].argmax())
+            ids.append(token)
+            out.append(token)
+        return out
+
+
+@pytest.fixture(scope="session")
+def reference_factory():
+    cache: dict[str, PeftReference] = {}
+
+    def build(t: Tiny) -> PeftReference:
+        if t.kind not in cache:
+            cache[t.kind] = PeftReference(t)
+        return cache[t.kind]
+
+    return build
+
+
+def make_pipeline(t: Tiny, *, max_slots: int = 4, max_rank: int = 16, max_batch_size: int = 8, max_seq_len: int = 64,
+                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32):
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    pipe = LlamaPipeline(str(t.base), dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank))
+    for name in load if load is not None else tuple(t.adapters):
+        pipe.manager.load_adapter(str(t.adapters[name]), name=name)
+    return pipe
+
+
+def prompts(n: int, *, seed: int = 0, vocab: int = 128, min_len: int = 3, max_len: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    return [torch.randint(3, vocab, (int(n_),), generator=g).tolist() for n_ in lengths]

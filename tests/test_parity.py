@@ -1,0 +1,147 @@
+"""Mixed batches against per-request transformers + peft (invariants 1, 2 and 7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Row, make_pipeline, prompts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+MIX = ["A", None, "B", "A", None, "C"]
+
+
+def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
+    """All-position logits of one batched prefill; row i of the result is request i."""
+    order = sorted(range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i])))
+    rows = [Row(adapters[i]) for i in order]
+    length = max(len(p) for p in batch)
+    tokens = torch.zeros(len(batch), length, dtype=torch.long)
+    for j, i in enumerate(order):
+        tokens[j, : len(batch[i])] = torch.tensor(batch[i])
+    positions = torch.arange(length).expand(len(batch), length)
+    inputs = pipe.prepare(rows, tokens=tokens, positions=positions, cache_rows=torch.arange(len(batch)),
+                          logits_index=None, prefill=True)
+    logits = pipe.execute(inputs)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+    for j, i in enumerate(order):
+        out[i] = logits[j, : len(batch[i])]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2", "llama3"])
+def test_mixed_batch_logits_match_peft(kind, tiny_factory, reference_factory):
+    t = tiny_factory(kind)
+    ref = reference_factory(t)
+    pipe = make_pipeline(t)
+    batch = prompts(len(MIX), seed=1)
+    got = run_prefill(pipe, batch, MIX)
+    for ids, adapter, logits in zip(batch, MIX, got, strict=True):
+        expected = ref.logits(ids, adapter)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"{kind} adapter={adapter}")
+    # the adapters really change the output: a missing delta would not pass the above
+    base0 = ref.logits(batch[0], None)
+    assert (got[0] - base0).abs().max() > 0.1
+
+
+def test_base_rows_equal_base_model_exactly(tiny):
+    pipe = make_pipeline(tiny)
+    batch = prompts(len(MIX), seed=2)
+    mixed = run_prefill(pipe, batch, MIX)
+    alone = run_prefill(pipe, batch, [None] * len(MIX))
+    for i, adapter in enumerate(MIX):
+        if adapter is None:
+            assert torch.equal(mixed[i], alone[i])
+        else:
+            assert not torch.allclose(mixed[i], alone[i])
+
+
+def test_batch_order_changes_no_row(tiny):
+    pipe = make_pipeline(tiny)
+    batch = prompts(len(MIX), seed=3)
+    first = run_prefill(pipe, batch, MIX)
+    perm = [4, 2, 0, 5, 1, 3]
+    second = run_prefill(pipe, [batch[i] for i in perm], [MIX[i] for i in perm])
+    for j, i in enumerate(perm):
+        torch.testing.assert_close(second[j], first[i], rtol=1e-5, atol=1e-5)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_base_only_batch_calls_no_lora_op(tiny):
+    pipe = make_pipeline(tiny)
+    batch = prompts(3, seed=4)
+    with OpCounter() as base_only:
+        run_prefill(pipe, batch, [None, None, None])
+    with OpCounter() as mixed:
+        run_prefill(pipe, batch, ["A", None, None])
+    assert not any("lora_graph" in n for n in base_only.names)
+    assert sum("lora_graph.lora_shrink" in n for n in mixed.names) == 4 * 2  # 4 targets x 2 layers
+
+
+@pytest.mark.parametrize("kind", ["gqa", "qwen2"])
+def test_greedy_generation_matches_peft(kind, tiny_factory, reference_factory):
+    t = tiny_factory(kind)
+    ref = reference_factory(t)
+    pipe = make_pipeline(t)
+    engine = LLMEngine(pipe)
+    batch = prompts(len(MIX), seed=5)
+    sampling = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    requests = [Request(str(i), ids, a, sampling) for i, (ids, a) in enumerate(zip(batch, MIX, strict=True))]
+    outputs = engine.generate(requests)
+    for req, out in zip(requests, outputs, strict=True):
+        assert out.error is None
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 16), f"{kind} adapter={req.adapter}"
+
+
+def test_requests_joining_mid_decode_match_peft(tiny, reference_factory):
+    """Continuous batching: requests join while others decode, in KV rows freed by others."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=3)
+    engine = LLMEngine(pipe)
+    batch = prompts(6, seed=6)
+    lengths = [4, 12, 6, 9, 3, 10]
+    adapters = ["B", None, "A", "C", "A", None]
+    requests = [Request(str(i), ids, a, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for i, (ids, a, n) in enumerate(zip(batch, adapters, lengths, strict=True))]
+    outputs = engine.generate(requests)
+    assert engine.steps["prefill"] > 1
+    for req, out in zip(requests, outputs, strict=True):
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, req.sampling.max_new_tokens)
+
+
+def test_fewer_slots_than_adapters_serves_everyone(tiny, reference_factory):
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_slots=1)
+    engine = LLMEngine(pipe)
+    batch = prompts(6, seed=7)
+    adapters = ["A", "B", "C", None, "B", "A"]
+    requests = [Request(str(i), ids, a, SamplingParams(max_new_tokens=8, ignore_eos=True))
+                for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))]
+    outputs = engine.generate(requests)
+    for req, out in zip(requests, outputs, strict=True):
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8)
+    assert pipe.manager.slot_loads >= 4  # adapters took turns in the one slot
+
+
+def test_steady_state_decode_copies_no_adapter_weights(tiny):
+    pipe = make_pipeline(tiny)
+    engine = LLMEngine(pipe)
+    for i, (ids, a) in enumerate(zip(prompts(4, seed=8), ["A", "B", None, "C"], strict=True)):
+        engine.add_request(Request(str(i), ids, a, SamplingParams(max_new_tokens=10, ignore_eos=True)))
+    engine.step()  # prefill: the adapters are copied into slots once
+    loads = pipe.manager.slot_loads
+    pool_ptr = pipe.manager.pool.data_ptr()
+    while engine.has_unfinished():
+        engine.step()
+    assert pipe.manager.slot_loads == loads == 3
+    assert pipe.manager.pool.data_ptr() == pool_ptr
