@@ -1,0 +1,63 @@
+"""The lora-graph command against per-request transformers + peft."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from conftest import prompts
+
+from lora_graph.cli import main
+
+
+def test_generate_requests_file_matches_peft(tiny, reference_factory, tmp_path):
+    ref = reference_factory(tiny)
+    batch = prompts(5, seed=11)
+    adapters = ["A", None, "B", "C", "A"]
+    lines = [json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "adapter": a, "max_new_tokens": 12})
+             for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))]
+    lines.insert(2, json.dumps({"id": "bad-adapter", "prompt_token_ids": [5, 6], "adapter": "nope"}))
+    lines.insert(4, "{not json")
+    lines.append(json.dumps({"id": "bad-temp", "prompt_token_ids": [5, 6], "temperature": -1}))
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--max-loras", "2", "--requests", str(requests),
+            "--output", str(output)]
+    for name, path in tiny.adapters.items():
+        argv += ["--lora", f"{name}={path}"]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["id"] for r in results] == ["r0", "r1", "bad-adapter", "r2", "line-5", "r3", "r4", "bad-temp"]
+    by_id = {r["id"]: r for r in results}
+    assert "unknown adapter 'nope'" in by_id["bad-adapter"]["error"]
+    assert "line 5" in by_id["line-5"]["error"]
+    assert "temperature" in by_id["bad-temp"]["error"]
+    for i, (ids, a) in enumerate(zip(batch, adapters, strict=True)):
+        r = by_id[f"r{i}"]
+        assert r["adapter"] == a
+        # EOS (id 2) may end a request early; everything up to it must match peft exactly
+        expected = ref.greedy(ids, a, 12)
+        assert r["token_ids"] == expected[: len(r["token_ids"])]
+        assert len(r["token_ids"]) == 12 or r["token_ids"][-1] == 2
+
+
+def test_unloadable_adapter_exits_2_with_one_line(tiny, tmp_path, capsys):
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    config = json.loads((tiny.adapters["A"] / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (bad / "adapter_model.safetensors").write_bytes((tiny.adapters["A"] / "adapter_model.safetensors").read_bytes())
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"good={tiny.adapters['A']}",
+            "--lora", f"broken={bad}", "--prompt", "hi"]
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "broken" in err[0] and "use_dora" in err[0] and "Traceback" not in err[0]
+
+
+def test_missing_adapter_path_exits_2(tiny, capsys):
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", "x=/no/such/adapter", "--prompt", "hi"]
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert "'x'" in err and "no such file" in err

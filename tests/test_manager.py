@@ -1,0 +1,189 @@
+"""The adapter pool: inputs, routing, loading, slots (invariants 3, 4, 5, 9)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import ALL_LINEARS, Row, make_peft_adapter, make_pipeline, prompts
+from safetensors.torch import load_file, save_file
+from test_parity import run_prefill
+
+from lora_graph import AdapterError, LoRAStatus, LoraReqConfig, NoFreeSlotError
+
+
+def test_inputs_order_and_count(tiny):
+    m = make_pipeline(tiny, max_slots=3).manager
+    specs = m.symbolic_inputs()
+    assert [s.name for s in specs] == ["lora_ids", "grouped_offsets", "end", "slot_0", "slot_1", "slot_2", "slot_3"]
+    m.activate_batch([Row("A"), Row("B")])
+    bufs = m.input_buffers([Row("A"), Row("A"), Row("B"), Row(None)], [0, 2, 5, 6, 7])
+    assert [tuple(b.shape) for b in bufs] == [s.shape for s in specs]
+    assert [b.dtype for b in bufs] == [s.dtype for s in specs]
+    lora_ids, offsets, end = bufs[:3]
+    slot_a, slot_b = m.activate_adapter("A"), m.activate_adapter("B")
+    assert lora_ids.tolist() == [slot_a, slot_b, 0]
+    assert offsets.tolist() == [0, 5, 6, 6]
+    assert end.tolist() == [6]
+    with pytest.raises(ValueError, match="expected 7 LoRA inputs"):
+        m.bind_inputs(None, bufs[:-1])
+    with pytest.raises(ValueError, match="not sorted"):
+        m.get_lora_graph_inputs([Row("A"), Row(None), Row("B")], [0, 1, 2, 3])
+
+
+def test_sort_lora_batch_groups_adapters_base_last():
+    from lora_graph.manager import LoRAManager
+
+    rows = [Row("B"), Row(None), Row("A"), Row("B"), Row(None), Row("A")]
+    out = LoRAManager.sort_lora_batch(rows)
+    assert [r.adapter for r in out] == ["B", "B", "A", "A", None, None]
+    assert out[0] is rows[0] and out[1] is rows[3]
+
+
+def test_scale_applied_once_and_source_unchanged(tiny):
+    path = tiny.adapters["B"]
+    before = load_file(str(path / "adapter_model.safetensors"))
+    pipe = make_pipeline(tiny, load=())
+    m = pipe.manager
+    assert m.load_adapter(str(path), name="B") == LoRAStatus.LOADED
+    assert m.load_adapter(str(path), name="B") == LoRAStatus.UNCHANGED
+    slot = m.activate_adapter("B")
+    after = load_file(str(path / "adapter_model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    key = next(k for k in before if "layers.1.self_attn.v_proj.lora_B" in k)
+    scale = 8 / math.sqrt(4)  # rsLoRA: alpha / sqrt(r)
+    b = m.layout.b_view(m.pool[slot], "qkv_proj", 1)
+    q, kv = pipe.config.q_size, pipe.config.kv_size
+    torch.testing.assert_close(b[q + kv : q + 2 * kv, :4], before[key] * scale)
+    assert b[q + kv :, 4:].abs().sum() == 0
+
+
+def test_slot_reuse_keeps_nothing_of_previous_owner(tiny):
+    """An all-linear rank-8 adapter leaves the slot; a q/v-only rank-4 one takes it."""
+    pipe = make_pipeline(tiny, max_slots=1)
+    m = pipe.manager
+    batch = prompts(2, seed=21)
+    slot = m.activate_adapter("A")
+    assert m.pool[slot].abs().sum() > 0
+    assert m.activate_adapter("B") == slot
+    only_b = make_pipeline(tiny, max_slots=1, load=("B",))
+    assert torch.equal(m.pool[slot], only_b.manager.pool[only_b.manager.activate_adapter("B")])
+    torch.testing.assert_close(run_prefill(pipe, batch, ["B", None])[0], run_prefill(only_b, batch, ["B", None])[0])
+
+
+def test_reload_with_new_weights_serves_new_weights(tiny, tmp_path):
+    pipe = make_pipeline(tiny, load=())
+    m = pipe.manager
+    path = tmp_path / "x"
+    shutil.copytree(tiny.adapters["A"], path)
+    m.load_adapter(str(path), name="x")
+    batch = prompts(1, seed=22)
+    first = run_prefill(pipe, batch, ["x"])[0]
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file({k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    assert m.load_adapter(str(path), name="x") == LoRAStatus.RELOADED
+    second = run_prefill(pipe, batch, ["x"])[0]
+    fresh = make_pipeline(tiny, load=())
+    fresh.manager.load_adapter(str(path), name="x")
+    torch.testing.assert_close(second, run_prefill(fresh, batch, ["x"])[0])
+    assert not torch.allclose(second, first, atol=1e-3)
+
+
+def test_eviction_spares_running_batch_and_pinned(tiny):
+    m = make_pipeline(tiny, max_slots=2, load=()).manager
+    m.load_adapter(str(tiny.adapters["A"]), name="A", pin=True)
+    m.load_adapter(str(tiny.adapters["B"]), name="B")
+    m.load_adapter(str(tiny.adapters["C"]), name="C")
+    m.activate_batch([Row("B")])
+    with pytest.raises(NoFreeSlotError):
+        m.activate_adapter("C")
+    m.activate_batch([Row("C")])
+    assert m.is_active_lora("A") and m.is_active_lora("C") and not m.is_active_lora("B")
+    with pytest.raises(NoFreeSlotError, match="pinned"):
+        m.load_adapter(str(tiny.adapters["B"]), name="B2", pin=True)
+
+
+def _copy_adapter(src, dst, *, config=None, tensors=None):
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        (dict(config={"use_dora": True}), "use_dora"),
+        (dict(config={"bias": "all"}), "bias='all'"),
+        (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
+        (dict(tensors=lambda w: {k: v for k, v in w.items() if "q_proj" not in k}, config={"r": 64}), None),
+        (dict(tensors=lambda w: {"something.weight": torch.zeros(2, 2)}), "no LoRA tensors"),
+        (dict(tensors=lambda w: {k: v[:, :-1].contiguous() if "layers.0.mlp.down_proj.lora_A" in k else v for k, v in w.items()}),
+         r"layers\.0\.mlp\.down_proj .*does not fit"),
+        (dict(tensors=lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(128, 8)}), "lm_head is outside the served targets"),
+        (dict(tensors=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k}), "lora_B missing"),
+    ],
+)
+def test_bad_adapter_is_refused_with_its_cause(tiny, tmp_path, case, match):
+    pipe = make_pipeline(tiny, load=("B",))
+    path = _copy_adapter(tiny.adapters["A"], tmp_path / "bad", **case)
+    if match is None:  # a config r that disagrees with the tensors is not an error: shapes rule
+        pipe.manager.load_adapter(str(path), name="bad")
+        return
+    with pytest.raises(AdapterError, match=match) as e:
+        pipe.manager.load_adapter(str(path), name="bad")
+    assert "'bad'" in str(e.value)
+    assert not pipe.manager.is_lora("bad")
+    out = run_prefill(pipe, prompts(2, seed=23), ["B", None])  # the engine serves on
+    assert torch.isfinite(out[0]).all()
+
+
+def test_rank_above_max_rank_is_refused(tiny):
+    pipe = make_pipeline(tiny, max_rank=8, load=())
+    with pytest.raises(AdapterError, match="rank 16 is above max_rank 8"):
+        pipe.manager.load_adapter(str(tiny.adapters["C"]), name="C")
+
+
+def test_other_model_size_is_refused(tiny, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    other.save_pretrained(tmp_path / "other")
+    path = make_peft_adapter(tmp_path / "other", tmp_path / "ad", seed=1, factor=1.0, r=4, target_modules=ALL_LINEARS)
+    pipe = make_pipeline(tiny, load=())
+    with pytest.raises(AdapterError, match="does not fit the model"):
+        pipe.manager.load_adapter(str(path), name="small")
+
+
+def test_request_config_validates_adapter_name():
+    LoraReqConfig(None).validate(["A"])
+    LoraReqConfig("A").validate(["A"])
+    with pytest.raises(ValueError, match="unknown adapter 'Z'"):
+        LoraReqConfig("Z").validate(["A"])
+    with pytest.raises(ValueError, match="non-empty"):
+        LoraReqConfig("").validate(["A"])
+
+
+def test_bin_and_bare_safetensors_formats(tiny, tmp_path):
+    pipe = make_pipeline(tiny, load=("A",))
+    batch = prompts(1, seed=24)
+    expected = run_prefill(pipe, batch, ["A"])[0]
+    weights = load_file(str(tiny.adapters["A"] / "adapter_model.safetensors"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(tiny.adapters["A"] / "adapter_config.json", bin_dir)
+    torch.save(weights, bin_dir / "adapter_model.bin")
+    bare = tmp_path / "bare" / "weights.safetensors"
+    bare.parent.mkdir()
+    shutil.copy(tiny.adapters["A"] / "adapter_config.json", bare.parent)
+    save_file(weights, str(bare))
+    for name, path in (("bin", bin_dir), ("bare", bare)):
+        pipe.manager.load_adapter(str(path), name=name)
+        torch.testing.assert_close(run_prefill(pipe, batch, [name])[0], expected)
