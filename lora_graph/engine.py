@@ -171,7 +171,11 @@ class LLMEngine:
         """Run one prefill (if requests were admitted) or one decode step."""
         admitted = self._admit()
         if admitted:
-            self._prefill(admitted)
+            if self.pipeline.graphs is not None:  # captured prefill graphs hold one request
+                for seq in admitted:
+                    self._prefill([seq])
+            else:
+                self._prefill(admitted)
         elif self.running:
             self._decode()
 
@@ -195,7 +199,7 @@ class LLMEngine:
     def _decode(self) -> None:
         manager = self.pipeline.manager
         seqs = manager.sort_lora_batch(self.running) if manager else list(self.running)
-        width = max(s.cache_row for s in seqs) + 1
+        width = self.pipeline.decode_width(max(s.cache_row for s in seqs) + 1)
         used = {s.cache_row for s in seqs}
         rows: list[Any] = [*seqs, *(_Pad(r) for r in range(width) if r not in used)]
         dev = self.pipeline.device

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,9 @@ from torch import Tensor, nn
 from lora_graph.config import LoRAConfig
 from lora_graph.manager import HasAdapter, LoRAManager, WeightsAdapter
 from lora_graph.targets import LoraModuleRef, LoraTarget
+
+if TYPE_CHECKING:
+    from lora_graph.compile.cache import GraphCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -134,6 +137,7 @@ class PipelineModelWithKVCache(abc.ABC):
                                        dtype=self.dtype, device=self.device)
         self.model = self.load_model()
         self.step: Callable[..., Tensor] = self.model
+        self.graphs: GraphCache | None = None
 
     # ---- what an architecture declares ----------------------------------------------
     @abc.abstractmethod
@@ -188,9 +192,31 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(f"{self.model_dir}: checkpoint has weights the model does not use: {sorted(unexpected)[:5]}")
         return root.eval().requires_grad_(False)
 
-    def enable_compile(self, mode: str) -> None:
-        """Run steps through captured graphs (``"inductor"`` or ``"cudagraph"``)."""
-        raise NotImplementedError(f"--compile {mode} is not available yet")
+    def enable_compile(self, mode: str, *, decode_buckets: Sequence[int] | None = None,
+                       prefill_lengths: Sequence[int] | None = None, progress: bool = True) -> GraphCache:
+        """Capture the step per bucket, with LoRA and base-only, and serve through it.
+
+        Args:
+            mode: ``"inductor"`` (``torch.compile``) or ``"cudagraph"`` (CUDA graphs over it).
+            decode_buckets: decode batch sizes (default: powers of two up to
+                ``max_batch_size``, and ``max_batch_size``).
+            prefill_lengths: prompt length buckets of single-request prefill graphs
+                (default: 64 and 256, capped at ``max_seq_len``); longer prompts and
+                batched prefills run eagerly.
+        """
+        from lora_graph.compile.cache import GraphCache
+
+        if decode_buckets is None:
+            decode_buckets = sorted({min(2**i, self.max_batch_size) for i in range(self.max_batch_size.bit_length() + 1)})
+        if prefill_lengths is None:
+            prefill_lengths = sorted({min(t, self.max_seq_len) for t in (64, 256)})
+        self.graphs = GraphCache(self, mode=mode, decode_buckets=decode_buckets, prefill_lengths=prefill_lengths)  # type: ignore[arg-type]
+        self.graphs.capture(progress=progress)
+        return self.graphs
+
+    def decode_width(self, rows: int) -> int:
+        """The batch width a decode step of ``rows`` rows is padded to (its bucket)."""
+        return self.graphs.decode_width(rows) if self.graphs is not None else rows
 
     # ---- running ----------------------------------------------------------------------
     def prepare(self, rows: Sequence[HasAdapter], *, tokens: Tensor, positions: Tensor, cache_rows: Tensor,
@@ -213,7 +239,10 @@ class PipelineModelWithKVCache(abc.ABC):
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> Tensor:
         """Run one step; float32 logits ``[B, vocab]`` (``[B, T, vocab]`` without
-        ``logits_index``)."""
+        ``logits_index``). A step whose key was captured replays its graph (the logits are
+        then valid until the next replay); others run eagerly."""
+        if self.graphs is not None and self.graphs.has_graph(inputs):
+            return self.graphs.run(inputs)
         args = (inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill)
         if self.manager is None:
             return self.step(*args)

@@ -144,11 +144,11 @@ def reference_factory():
 
 
 def make_pipeline(t: Tiny, *, max_slots: int = 4, max_rank: int = 16, max_batch_size: int = 8, max_seq_len: int = 64,
-                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32):
+                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
-    pipe = LlamaPipeline(str(t.base), dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+    pipe = LlamaPipeline(str(t.base), dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank))
     for name in load if load is not None else tuple(t.adapters):
         pipe.manager.load_adapter(str(t.adapters[name]), name=name)

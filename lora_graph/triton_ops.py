@@ -1,0 +1,559 @@
+"""Triton kernels for the segmented LoRA shrink and expand, as ``torch.library`` custom ops.
+
+Semantics: identical to the pure-torch reference ops in :mod:`lora_graph.ops`
+(``lora_graph::lora_shrink`` / ``lora_graph::lora_expand_``), with the same Python
+signatures: ``h[s, t] = x[t] @ A[slot(t), s].T`` and ``y[t, slice_s] += h[s, t] @ B[slot(t), slice_s].T``
+for rows ``t < end``, where ``slot(t)`` is the slot of ``t``'s group. Rows at or after
+``end``, and rows whose group names slot 0 (the zero adapter) or no valid slot, get no
+delta: their ``h`` is exactly 0 and their ``y`` is left bit-for-bit unchanged.
+
+Args (shared by both ops; Punica-style shapes):
+    x: ``[N, in_features]`` float32 / bfloat16 / float16 activations (any strides).
+    slots: ``num_slots`` flat ``[numel]`` slot stacks, evenly spaced views of one pool
+        ``[num_slots, numel]``; A of a target at ``a_offset`` (``[num_slices * max_rank,
+        in_features]`` per slot), B at ``b_offset`` (``[out_features, max_rank]``).
+    lora_ids: ``[G]`` int32, the slot of each group.
+    grouped_offsets: ``[G + 1]`` int32, non-decreasing token offsets of the groups.
+    end: ``[1]`` int32, rows routed to LoRA.
+    h: ``[num_slices, N, max_rank]`` float32 (shrink's output, expand's input).
+    y: ``[N, sum(out_slices)]`` base output, updated in place.
+
+Row ``t < end`` belongs to group ``g(t) = min(#{k >= 1 : grouped_offsets[k] <= t}, G - 1)``
+(the reference's ``searchsorted``), i.e. group ``g`` covers rows
+``grouped_offsets[g]:grouped_offsets[g + 1]``, except that group 0 starts at row 0 and
+group ``G - 1`` runs to ``end``. For the routing :class:`~lora_graph.manager.LoRAManager`
+builds (``grouped_offsets[0] == 0``, ``grouped_offsets[G] == end``) both readings agree.
+
+Kernel design (no host synchronisation; the grid depends only on shapes):
+
+- shrink: one launch for all slices. The A block of a fused target is one ``[S*R, K]``
+  matrix per slot (``S = num_slices``, ``R = max_rank``), so shrink is a segmented GEMM
+  ``[rows, K] @ [K, S*R]`` whose column ``j`` lands in ``h[j // R, t, j % R]``. Grid
+  ``(G, cdiv(N, BLOCK_M), cdiv(S*R, BLOCK_N) * SPLIT_K)``: axis 0 is the group (its slot
+  and row range are read on the device), axis 1 a row block *relative to the group's
+  start* (a program past the group's end returns at once), axis 2 a column block times a
+  K split. With ``SPLIT_K > 1`` each program reduces ``K / SPLIT_K`` of the inner
+  dimension and ``tl.atomic_add``\\ s its fp32 partial into ``h`` (zeroed by
+  ``torch.zeros``), so at decode a ``16 x 4096`` A is streamed by many SMs at once.
+- expand: one launch for all slices. Grid ``(G, cdiv(N, BLOCK_M), sum_s cdiv(w_s,
+  BLOCK_N))``: the column blocks of every slice are laid end to end, a program finds its
+  slice from the constexpr block starts (``static_range`` over the slices, no table in
+  memory), loads the ``[BLOCK_M, R]`` fp32 ``h`` tile and the ``[BLOCK_N, R]`` B tile,
+  adds the fp32 product to ``y`` (upcast) and stores it back in ``y``'s dtype.
+- Both use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast
+  multiply + ``tl.sum`` for ``BLOCK_M < 16`` (``N <= 4`` rows: decode at batch 1..4).
+  fp32 operands are multiplied with ``input_precision="ieee"``; expand multiplies fp32
+  ``h`` by B upcast to fp32 (``tf32`` when ``y`` is 16-bit, ``ieee`` when fp32).
+- Groups naming slot 0 (padding) return before reading anything. A replay with more
+  groups than a previous one needs nothing new: every group has its own grid row.
+- The only per-call allocation is the output ``h``. Block sizes and ``SPLIT_K`` come from
+  :func:`shrink_config` / :func:`expand_config` (cached per shape).
+
+This module imports without Triton installed (``HAVE_TRITON`` is then False and calling
+an op raises ``RuntimeError``). Kernels decorated while ``TRITON_INTERPRET=1`` is set run
+under Triton's CPU interpreter (:func:`interpreted`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lora_graph.ops import slot_pool_view
+
+try:  # pragma: no cover - exercised by the environment, not by a test
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = [
+    "HAVE_TRITON",
+    "ExpandConfig",
+    "ShrinkConfig",
+    "expand_config",
+    "interpreted",
+    "launch_expand",
+    "launch_shrink",
+    "lora_expand_triton_",
+    "lora_shrink_triton",
+    "shrink_config",
+]
+
+_DEFAULT_SMS = 132  # H100 / H200
+
+
+# --------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots):
+        """The slot of group ``g`` and its rows ``[lo, hi)`` (empty for slot 0 / invalid)."""
+        slot = tl.load(lora_ids_ptr + g).to(tl.int32)
+        end = tl.load(end_ptr).to(tl.int32)
+        lo = tl.load(offsets_ptr + g).to(tl.int32)
+        hi = tl.load(offsets_ptr + g + 1).to(tl.int32)
+        lo = tl.where(g == 0, 0, lo)
+        hi = tl.where(g == G - 1, end, tl.minimum(hi, end))
+        hi = tl.minimum(hi, N)
+        valid = (slot > 0) & (slot < num_slots)
+        hi = tl.where(valid, hi, lo)
+        return slot, lo, hi
+
+    @triton.jit
+    def _shrink_kernel(
+        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, K, G, num_slots, k_per_split,
+        stride_xm, stride_xk,
+        stride_as, stride_aj, stride_ak,
+        stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot, j, k]`` over this
+        program's K split, for the rows of group ``program_id(0)``.
+
+        x ``[N, K]``; A ``[num_slots, S*R, K]`` (strided pool view); h ``[S, N, R]`` fp32.
+        """
+        g = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_nk = tl.program_id(2)
+        pid_n = pid_nk // SPLIT_K
+        pid_k = pid_nk % SPLIT_K
+
+        slot, lo, hi = _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots)
+        row0 = lo + pid_m * BLOCK_M
+        if row0 >= hi:
+            return
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        rows = offs_m.to(tl.int64)
+        offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_j = offs_j < SR
+        k0 = pid_k * k_per_split
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as
+                  + offs_j[None, :] * stride_aj + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_per_split, BLOCK_K):
+            mask_k = offs_k < K - kk
+            xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            if USE_DOT:
+                if CAST_F32:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+            else:
+                acc += tl.sum(xt.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_ak
+
+        s = offs_j // R
+        r = offs_j % R
+        h_ptrs = h_ptr + s[None, :] * stride_hs + rows[:, None] * stride_hm + r[None, :] * stride_hr
+        mask = mask_m[:, None] & mask_j[None, :]
+        if SPLIT_K == 1:
+            tl.store(h_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
+
+    @triton.jit
+    def _expand_kernel(
+        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, G, num_slots,
+        stride_ym, stride_yn,
+        stride_hs, stride_hm, stride_hr,
+        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot, c, r])``
+        for the rows of group ``program_id(0)`` and the columns of block ``program_id(2)``.
+
+        y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
+        The slices' column blocks are laid end to end: slice ``i`` owns blocks
+        ``SLICE_BLOCK0[i]:SLICE_BLOCK0[i + 1]`` and columns ``SLICE_COL0[i] + [0, SLICE_WIDTH[i])``.
+        """
+        g = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(2)
+
+        slot, lo, hi = _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots)
+        row0 = lo + pid_m * BLOCK_M
+        if row0 >= hi:
+            return
+
+        sl = pid_n * 0
+        blk0 = pid_n * 0 + SLICE_BLOCK0[0]
+        col0 = pid_n * 0 + SLICE_COL0[0]
+        width = pid_n * 0 + SLICE_WIDTH[0]
+        for i in tl.static_range(1, NUM_SLICES):
+            hit = pid_n >= SLICE_BLOCK0[i]
+            sl = tl.where(hit, i, sl)
+            blk0 = tl.where(hit, SLICE_BLOCK0[i], blk0)
+            col0 = tl.where(hit, SLICE_COL0[i], col0)
+            width = tl.where(hit, SLICE_WIDTH[i], width)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        rows = offs_m.to(tl.int64)
+        offs_c = (pid_n - blk0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_c = offs_c < width
+        cols = col0 + offs_c
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+
+        h_ptrs = h_ptr + sl * stride_hs + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
+        ht = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
+                  + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)  # [BLOCK_N, BLOCK_R]
+        bt = tl.load(b_ptrs, mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        if USE_DOT:
+            delta = tl.dot(ht, tl.trans(bt), input_precision=DOT_PRECISION)
+        else:
+            delta = tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
+
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+        mask = mask_m[:, None] & mask_c[None, :]
+        yt = tl.load(y_ptrs, mask=mask, other=0.0)
+        out = yt.to(tl.float32) + delta
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
+    set when this module was first imported)."""
+    if not HAVE_TRITON:
+        return False
+    return not isinstance(_shrink_kernel, triton.runtime.JITFunction)
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError("lora_graph.triton_ops needs Triton (pip install triton); use the torch backend")
+
+
+# --------------------------------------------------------------------------------------
+# launch configuration (pure functions of shapes: a captured graph never sees them change)
+# --------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """Tile sizes of the shrink kernel. ``k_per_split`` is a multiple of ``block_k``;
+    ``split_k == cdiv(K, k_per_split)``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= 16
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    """Tile sizes of the expand kernel (``block_r`` covers ``max_rank``)."""
+
+    block_m: int
+    block_n: int
+    block_r: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= 16
+
+
+def _finish_shrink(k: int, block_m: int, block_n: int, block_k: int, split_k: int,
+                   num_warps: int, num_stages: int) -> ShrinkConfig:
+    split_k = max(1, min(split_k, _cdiv(k, block_k)))
+    k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
+    return ShrinkConfig(block_m, block_n, block_k, _cdiv(k, k_per_split), k_per_split, num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def shrink_config(n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS) -> ShrinkConfig:
+    """Heuristic tiles for shrink of ``N = n`` rows, ``K = k``, ``S*R = sr`` columns, inputs
+    of ``elt_bytes`` bytes.
+
+    ``N <= 4``: broadcast-reduce tiles (``BLOCK_M = next_pow2(N)``); ``N <= 64``: ``tl.dot``
+    with 16-row tiles and one ``BLOCK_K`` step per K split (decode: the A block is spread
+    over as many programs as possible); larger ``N``: 32/64-row tiles and at least four
+    ``BLOCK_K`` steps per split. ``SPLIT_K`` aims at about ``2 * num_sms`` programs when
+    every row block is busy. (Chosen so that no variant spills registers on sm_90.)
+    """
+    f32 = elt_bytes >= 4
+    if n <= 4:
+        block_m = _next_pow2(n)
+        block_n = min(64, max(16, _next_pow2(sr)))
+        block_k = max(32, min(128, 4096 // (block_m * block_n)))
+        k_min, num_warps, num_stages = block_k, 4, 2
+    elif n <= 64:
+        block_m, block_n, block_k = 16, min(64, max(16, _next_pow2(sr))), 32 if f32 else 64
+        k_min, num_warps, num_stages = block_k, 4, 2
+    elif n <= 256:
+        block_m, block_n, block_k = 32, min(64, max(16, _next_pow2(sr))), 32 if f32 else 64
+        k_min, num_warps, num_stages = 4 * block_k, 4, 3
+    else:
+        block_m, block_n, block_k = 64, min(128, max(16, _next_pow2(sr))), 32 if f32 else 64
+        k_min, num_warps, num_stages = 4 * block_k, 8, 3
+    busy = _cdiv(n, block_m) * _cdiv(sr, block_n)
+    split_k = max(1, min(_cdiv(2 * num_sms, busy), _cdiv(k, k_min)))
+    return _finish_shrink(k, block_m, block_n, block_k, split_k, num_warps, num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2) -> ExpandConfig:
+    """Heuristic tiles for expand of ``N = n`` rows, widest slice ``max_width``, ``y`` of
+    ``elt_bytes`` bytes.
+
+    ``N <= 4``: broadcast-reduce tiles; ``N <= 64``: 16 x 64 ``tl.dot`` tiles (many column
+    programs at decode); larger ``N``: 32/64 x 128 (x 64 for fp32 ``y``).
+    """
+    block_r = max(16, _next_pow2(max_rank))
+    wide = 64 if elt_bytes >= 4 else 128
+    if n <= 4:
+        block_m = _next_pow2(n)
+        block_n = max(16, min(128, 8192 // (block_m * block_r)))
+    elif n <= 64:
+        block_m, block_n = 16, 64
+    elif n <= 256:
+        block_m, block_n = 32, wide
+    else:
+        block_m, block_n = 64, wide
+    block_n = min(block_n, max(16, _next_pow2(max_width)))
+    return ExpandConfig(block_m, block_n, block_r, num_warps=8 if block_m * block_n >= 4096 else 4)
+
+
+@functools.lru_cache(maxsize=256)
+def _slice_meta(out_slices: tuple[int, ...], block_n: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """``(block starts, column starts, widths, total column blocks)`` of the slices."""
+    blk, col, b, c = [], [], 0, 0
+    for w in out_slices:
+        blk.append(b)
+        col.append(c)
+        b += _cdiv(w, block_n)
+        c += w
+    return tuple(blk), tuple(col), tuple(out_slices), b
+
+
+def _dot_precision(*dtypes: torch.dtype) -> str:
+    return "ieee" if torch.float32 in dtypes else "tf32"
+
+
+def _device_guard(t: Tensor):
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------
+# launchers (no allocation, no synchronisation; usable with a forced config by benches/tests)
+# --------------------------------------------------------------------------------------
+
+
+def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor,
+                  max_rank: int, config: ShrinkConfig | None = None) -> None:
+    """Semantics: ``h[s, t] (+)= x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``.
+
+    Args:
+        x: ``[N, K]`` float32 / bfloat16 / float16 activations.
+        a: ``[num_slots, S * max_rank, K]`` strided pool view of the A blocks.
+        h: ``[S, N, max_rank]`` float32, zero where no delta applies; written (``SPLIT_K == 1``)
+            or accumulated into (``SPLIT_K > 1``): it must be zero on entry.
+        lora_ids, grouped_offsets, end: the routing triple (``[G]``, ``[G + 1]``, ``[1]`` int).
+        max_rank: ``R``.
+        config: tiles; :func:`shrink_config` when None.
+    """
+    _require_triton()
+    n, k = x.shape
+    num_slots, sr, k_a = a.shape
+    g = lora_ids.numel()
+    if n == 0 or g == 0:
+        return
+    assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
+    cfg = config or shrink_config(n, k, sr, x.element_size(), _num_sms(x.device))
+    # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
+    # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
+    # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
+    f32 = (x.dtype != a.dtype or x.dtype == torch.float32
+           or (x.dtype == torch.bfloat16 and interpreted()))
+    grid = (g, _cdiv(n, cfg.block_m), _cdiv(sr, cfg.block_n) * cfg.split_k)
+    with _device_guard(x):
+        _shrink_kernel[grid](
+            x, a, h, lora_ids, grouped_offsets, end,
+            n, k, g, num_slots, cfg.k_per_split,
+            x.stride(0), x.stride(1),
+            a.stride(0), a.stride(1), a.stride(2),
+            h.stride(0), h.stride(1), h.stride(2),
+            R=max_rank, SR=sr,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot, CAST_F32=f32,
+            DOT_PRECISION="ieee" if f32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
+                  grouped_offsets: Tensor, end: Tensor, config: ExpandConfig | None = None) -> None:
+    """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``.
+
+    Args:
+        y: ``[N, sum(out_slices)]`` float32 / bfloat16 / float16, updated in place (only the
+            rows that get a delta are written).
+        h: ``[S, N, max_rank]`` float32.
+        b: ``[num_slots, sum(out_slices), max_rank]`` strided pool view of the B blocks.
+        out_slices: the width of each slice (``S`` entries).
+        lora_ids, grouped_offsets, end: the routing triple.
+        config: tiles; :func:`expand_config` when None.
+    """
+    _require_triton()
+    num_slices, n, max_rank = h.shape
+    num_slots, out_features, r_b = b.shape
+    g = lora_ids.numel()
+    if n == 0 or g == 0:
+        return
+    assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
+    cfg = config or expand_config(n, max(out_slices), max_rank, y.element_size())
+    blk0, col0, widths, n_blocks = _slice_meta(tuple(out_slices), cfg.block_n)
+    grid = (g, _cdiv(n, cfg.block_m), n_blocks)
+    with _device_guard(y):
+        _expand_kernel[grid](
+            y, h, b, lora_ids, grouped_offsets, end,
+            n, g, num_slots,
+            y.stride(0), y.stride(1),
+            h.stride(0), h.stride(1), h.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
+            R=max_rank, NUM_SLICES=num_slices,
+            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+            USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# custom ops
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lora_graph::lora_shrink_triton", mutates_args=())
+def lora_shrink_triton(
+    x: Tensor,
+    slots: list[Tensor],
+    a_offset: int,
+    num_slices: int,
+    max_rank: int,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> Tensor:
+    """Semantics: ``h[s, t] = x[t] @ A[slot(t), s].T`` for rows ``t < end``; 0 after.
+
+    The Triton twin of :func:`lora_graph.ops.lora_shrink`: one launch for all slices,
+    split-K with fp32 atomics at small ``N``.
+
+    Args:
+        x: ``[N, in_features]`` activations (float32, bfloat16 or float16).
+        slots: ``num_slots`` flat slot stacks ``[numel]`` (views of one pool).
+        a_offset: the A block's offset in every slot (``[num_slices, max_rank, in_features]``).
+        num_slices: slices of the fused projection (``S``).
+        max_rank: ``R``, the pool's rank; an adapter of rank ``r < R`` is zero beyond ``r``.
+        lora_ids: ``[G]`` int32 slot of each group.
+        grouped_offsets: ``[G + 1]`` int32 token offsets of the groups.
+        end: ``[1]`` int32 rows routed to LoRA.
+
+    Returns:
+        ``h`` ``[num_slices, N, max_rank]`` float32, exactly 0 on rows that get no delta.
+    """
+    _require_triton()
+    n, in_features = x.shape
+    h = torch.zeros((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+    a = slot_pool_view(slots, a_offset, (num_slices * max_rank, in_features))
+    launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+    return h
+
+
+@lora_shrink_triton.register_fake
+def _(x, slots, a_offset, num_slices, max_rank, lora_ids, grouped_offsets, end):
+    return x.new_empty((num_slices, x.shape[0], max_rank), dtype=torch.float32)
+
+
+@torch.library.custom_op("lora_graph::lora_expand_triton_", mutates_args=("y",))
+def lora_expand_triton_(
+    y: Tensor,
+    h: Tensor,
+    slots: list[Tensor],
+    b_offset: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> None:
+    """Semantics: ``y[t, slice_s] += h[s, t] @ B[slot(t), slice_s].T`` for rows ``t < end``.
+
+    The Triton twin of :func:`lora_graph.ops.lora_expand_`: one launch for all slices; the
+    sum is formed in fp32 and cast to ``y``'s dtype once.
+
+    Args:
+        y: ``[N, sum(out_slices)]`` base output (float32, bfloat16 or float16), updated in
+            place; rows at or after ``end`` are left bit-for-bit unchanged.
+        h: ``[num_slices, N, max_rank]`` float32, from :func:`lora_shrink_triton`.
+        slots: ``num_slots`` flat slot stacks ``[numel]`` (views of one pool).
+        b_offset: the B block's offset in every slot (``[out_features, max_rank]``).
+        out_slices: the width of each slice.
+        lora_ids: ``[G]`` int32 slot of each group.
+        grouped_offsets: ``[G + 1]`` int32 token offsets of the groups.
+        end: ``[1]`` int32 rows routed to LoRA.
+    """
+    _require_triton()
+    num_slices, n, max_rank = h.shape
+    b = slot_pool_view(slots, b_offset, (sum(out_slices), max_rank))
+    launch_expand(y, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+
+
+@lora_expand_triton_.register_fake
+def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
+    return None
