@@ -1,6 +1,9 @@
 """The graph cache: every bucket captured at start-up, with LoRA and base-only.
 
-Each capture key gets its own compiled step over persistent input buffers (tokens,
+The repeated decoder layer is compiled (``torch.compile``, ``fullgraph=True``; one graph
+per key serves every layer, so start-up compiles a layer, not the whole stack), and the
+step around it is captured per key. Each capture key gets its own step over persistent
+input buffers (tokens,
 positions, KV cache rows, logits index), allocated once at the largest bucket; the LoRA
 inputs are the manager's persistent routing buffers and slot stacks. A step is padded up
 to its bucket, copied into the buffers, and replayed: ``torch.compile`` (inductor) graphs
@@ -13,6 +16,7 @@ graph compiled while serving is counted in :attr:`GraphCache.recompiles`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,10 +32,12 @@ Mode = Literal["inductor", "cudagraph"]
 
 @dataclass
 class CapturedGraph:
-    """One captured step: its key, the ops its FX graph calls, and its replay count."""
+    """One captured step: its key, the ops its compiled regions call, how many region
+    graphs its capture compiled (1: every layer shares one), and its replay count."""
 
     key: Any
     ops: frozenset[str] = frozenset()
+    compiles: int = 0
     replays: int = 0
     runner: Callable[[], Tensor] | None = field(default=None, repr=False)
 
@@ -91,8 +97,9 @@ class GraphCache:
         self._cache_rows = torch.arange(rows, dtype=torch.long, device=dev)
         self._logits_index = torch.zeros(rows, dtype=torch.long, device=dev)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cudagraph" else None
-        self._compiled = {phase: torch.compile(self._step_fn(phase == "prefill"), backend=self._backend, fullgraph=True,
-                                               dynamic=False) for phase in ("prefill", "decode")}
+        self.regions = list(pipeline.compile_regions())
+        for region in self.regions:
+            region.compile(backend=self._backend, fullgraph=True, dynamic=False)
 
     # ---- keys ---------------------------------------------------------------------------
     def all_keys(self) -> list[Any]:
@@ -124,17 +131,12 @@ class GraphCache:
         return key if inputs.lora_inputs else LoraBaseOnly(key)
 
     # ---- capture ------------------------------------------------------------------------
-    def _step_fn(self, prefill: bool) -> Callable[..., Tensor]:
+    def _step(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor, *lora_inputs: Tensor,
+              prefill: bool) -> Tensor:
         model = self.pipeline.model
-
-        def step(tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor, *lora_inputs: Tensor) -> Tensor:
-            if lora_inputs:
-                return model(tokens, positions, cache_rows, logits_index, prefill, lora_inputs=lora_inputs)
-            if self.pipeline.manager is not None:
-                return model(tokens, positions, cache_rows, logits_index, prefill, lora_inputs=())
+        if self.pipeline.manager is None:
             return model(tokens, positions, cache_rows, logits_index, prefill)
-
-        return step
+        return model(tokens, positions, cache_rows, logits_index, prefill, lora_inputs=lora_inputs)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -144,6 +146,7 @@ class GraphCache:
         else:
             graph = self.graphs[self._capturing]
             graph.ops = graph.ops | _op_names(gm)
+            graph.compiles += 1
         return compile_fx(gm, example_inputs)
 
     def _static_args(self, key: Any) -> tuple[Tensor, ...]:
@@ -166,8 +169,8 @@ class GraphCache:
     @torch.inference_mode()
     def _capture_one(self, key: Any) -> None:
         graph = self.graphs[key] = CapturedGraph(key)
-        fn = self._compiled[node_capture_key(key).phase]
         args = self._static_args(key)
+        fn = functools.partial(self._step, prefill=node_capture_key(key).phase == "prefill")
         self._capturing = key
         try:
             if self.mode == "inductor":
@@ -221,7 +224,10 @@ class GraphCache:
         self._cache_rows[: k.batch].copy_(inputs.cache_rows, non_blocking=True)
         self._logits_index[: k.batch].copy_(inputs.logits_index, non_blocking=True)
         graph.replays += 1
-        return graph.runner()
+        if self.mode == "cudagraph":
+            return graph.runner()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return graph.runner()
 
     def has_graph(self, inputs: Any) -> bool:
         if inputs.logits_index is None:

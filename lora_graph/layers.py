@@ -13,28 +13,26 @@ from lora_graph.targets import LoraTarget
 
 @dataclass
 class BoundInputs:
-    """What :meth:`LoRAManager.bind_inputs` fans into every LoRA layer for one call.
-
-    ``routing`` is the triple ``(lora_ids, grouped_offsets, end)`` (see :mod:`lora_graph.ops`)
-    and ``slots`` the per-slot stacks, or both None for a base-only step: then no layer
-    calls a LoRA op at all.
-    """
+    """The routing :meth:`LoRAManager.bind_inputs` fans into every LoRA layer for one call:
+    the triple ``(lora_ids, grouped_offsets, end)`` (see :mod:`lora_graph.ops`), or None for
+    a base-only step, where no layer calls a LoRA op at all."""
 
     routing: tuple[Tensor, Tensor, Tensor] | None = None
-    slots: tuple[Tensor, ...] | None = None
 
     def clear(self) -> None:
         self.routing = None
-        self.slots = None
 
 
 class LoRALinear(nn.Module):
     """Wraps a base ``nn.Linear`` (fused or not) of one target family and layer.
 
-    Forward: ``y = base(x)``; if inputs are bound, ``y[t, slice_s] += x[t] @ A_s.T @ B_s.T``
+    Forward: ``y = base(x)``; if routing is bound, ``y[t, slice_s] += x[t] @ A_s.T @ B_s.T``
     for the rows ``t`` the routing sends to LoRA, with each row's A and B taken from its
     group's slot (the scale is already in B). ``x`` is ``[..., in_features]``; rows are
     the flattened leading dims, in order.
+
+    The layer holds, per slot, views of its own A and B blocks (:meth:`bind_slots`), so its
+    forward reads no layer-specific constant: one compiled graph serves every layer.
     """
 
     def __init__(self, base: nn.Linear, *, target_name: str, target: LoraTarget, layer: int,
@@ -49,19 +47,27 @@ class LoRALinear(nn.Module):
         self.num_slices = target.num_slices
         self.out_slices = list(target.out_slices)
         self.max_rank = layout.max_rank
-        self.a_offset, self.b_offset = layout.blocks[(target_name, layer)]
+        self._a_block = (layout.blocks[(target_name, layer)][0], target.num_slices * layout.max_rank * target.in_features)
+        self._b_block = (layout.blocks[(target_name, layer)][1], target.out_features * layout.max_rank)
         self._bound = bound
+        self.a_slots: list[Tensor] = []
+        self.b_slots: list[Tensor] = []
+
+    def bind_slots(self, slots: tuple[Tensor, ...]) -> None:
+        """Take this layer's A and B views from each flat slot ``[numel]``."""
+        (a_off, a_n), (b_off, b_n) = self._a_block, self._b_block
+        self.a_slots = [s[a_off : a_off + a_n] for s in slots]
+        self.b_slots = [s[b_off : b_off + b_n] for s in slots]
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
-        bound = self._bound
-        if bound.routing is None or bound.slots is None:
+        routing = self._bound.routing
+        if routing is None:
             return y
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
-        slots = list(bound.slots)
-        h = ops.lora_shrink(x2, slots, self.a_offset, self.num_slices, self.max_rank, *bound.routing)
-        ops.lora_expand_(y2, h, slots, self.b_offset, self.out_slices, *bound.routing)
+        h = ops.lora_shrink(x2, self.a_slots, 0, self.num_slices, self.max_rank, *routing)
+        ops.lora_expand_(y2, h, self.b_slots, 0, self.out_slices, *routing)
         return y
 
     def extra_repr(self) -> str:

@@ -105,6 +105,8 @@ class LoRAManager:
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._running: frozenset[str] = frozenset()
         self._bound = BoundInputs()
+        self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
+        self._layers: list[LoRALinear] = []
         self._wrapped: list[str] = []
         pin = self.device.type == "cuda"
         self._lora_ids = torch.zeros(config.max_slots, dtype=torch.int32, device=self.device)
@@ -368,7 +370,9 @@ class LoRAManager:
 
     def bind_inputs(self, model: nn.Module, lora_inputs: Sequence[Tensor]) -> None:
         """Fan the LoRA inputs into every LoRA layer of ``model`` (a module :meth:`wrap`
-        returned); an empty ``lora_inputs`` binds nothing, a base-only step.
+        returned): the routing triple to every layer, and each slot's stack to the layers as
+        views of their blocks (re-derived only when other slot tensors are given than
+        last time). An empty ``lora_inputs`` binds no routing: a base-only step.
 
         Raises:
             ValueError: if the count is neither 0 nor the routing triple plus one per slot.
@@ -379,8 +383,12 @@ class LoRAManager:
             return
         if len(lora_inputs) != expected:
             raise ValueError(f"expected {expected} LoRA inputs (routing triple + {self.config.num_slots} slots), got {len(lora_inputs)}")
+        slots = tuple(lora_inputs[3:])
+        if len(slots) != len(self._bound_slots) or any(a is not b for a, b in zip(slots, self._bound_slots, strict=True)):
+            for layer in self._layers:
+                layer.bind_slots(slots)
+            self._bound_slots = slots
         self._bound.routing = (lora_inputs[0], lora_inputs[1], lora_inputs[2])
-        self._bound.slots = tuple(lora_inputs[3:])
 
     # ---- model ----------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> LoRAWrapper:
@@ -394,9 +402,13 @@ class LoRAManager:
                 base = getattr(parent, attr)
                 if not isinstance(base, nn.Linear):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
-                setattr(parent, attr, LoRALinear(base, target_name=target_name, target=target, layer=layer,
-                                                 layout=self.layout, bound=self._bound))
+                lora = LoRALinear(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
+                                  bound=self._bound)
+                lora.bind_slots(self._slot_views)
+                setattr(parent, attr, lora)
+                self._layers.append(lora)
                 self._wrapped.append(path)
+        self._bound_slots = self._slot_views
         return LoRAWrapper(model, self)
 
     def lora_weight_adapter(self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = "model") -> WeightsAdapter:

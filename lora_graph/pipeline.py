@@ -162,6 +162,10 @@ class PipelineModelWithKVCache(abc.ABC):
     def lora_module_path(self, target: str, layer: int) -> str: ...
 
     @abc.abstractmethod
+    def compile_regions(self) -> Sequence[nn.Module]:
+        """The repeated blocks ``torch.compile`` compiles (the decoder layers)."""
+
+    @abc.abstractmethod
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]: ...
 
     # ---- building ---------------------------------------------------------------------
@@ -241,8 +245,14 @@ class PipelineModelWithKVCache(abc.ABC):
         """Run one step; float32 logits ``[B, vocab]`` (``[B, T, vocab]`` without
         ``logits_index``). A step whose key was captured replays its graph (the logits are
         then valid until the next replay); others run eagerly."""
-        if self.graphs is not None and self.graphs.has_graph(inputs):
-            return self.graphs.run(inputs)
+        if self.graphs is not None:
+            if self.graphs.has_graph(inputs):
+                return self.graphs.run(inputs)
+            with torch.compiler.set_stance("force_eager"):  # an uncaptured shape: run, don't compile
+                return self._execute_eager(inputs)
+        return self._execute_eager(inputs)
+
+    def _execute_eager(self, inputs: ModelInputs) -> Tensor:
         args = (inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill)
         if self.manager is None:
             return self.step(*args)

@@ -42,8 +42,10 @@ Kernel design (no host synchronisation; the grid depends only on shapes):
   adds the fp32 product to ``y`` (upcast) and stores it back in ``y``'s dtype.
 - Both use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast
   multiply + ``tl.sum`` for ``BLOCK_M < 16`` (``N <= 4`` rows: decode at batch 1..4).
-  fp32 operands are multiplied with ``input_precision="ieee"``; expand multiplies fp32
-  ``h`` by B upcast to fp32 (``tf32`` when ``y`` is 16-bit, ``ieee`` when fp32).
+  fp32 operands are multiplied with ``input_precision="tf32x3"`` (three TF32 MMAs, about
+  fp32 accuracy; plain fp32 FMA dots spill registers at these tiles); expand multiplies
+  fp32 ``h`` by B upcast to fp32 (``tf32`` when ``y`` is 16-bit: its error is well below
+  ``y``'s rounding; ``tf32x3`` when ``y`` is fp32).
 - Groups naming slot 0 (padding) return before reading anything. A replay with more
   groups than a previous one needs nothing new: every group has its own grid row.
 - The only per-call allocation is the output ``h``. Block sizes and ``SPLIT_K`` come from
@@ -337,7 +339,8 @@ def shrink_config(n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _D
         block_m, block_n, block_k = 32, min(64, max(16, _next_pow2(sr))), 32 if f32 else 64
         k_min, num_warps, num_stages = 4 * block_k, 4, 3
     else:
-        block_m, block_n, block_k = 64, min(128, max(16, _next_pow2(sr))), 32 if f32 else 64
+        block_m, block_n = 64, min(128, max(16, _next_pow2(sr)))
+        block_k = 32 if f32 or block_n > 64 else 64
         k_min, num_warps, num_stages = 4 * block_k, 8, 3
     busy = _cdiv(n, block_m) * _cdiv(sr, block_n)
     split_k = max(1, min(_cdiv(2 * num_sms, busy), _cdiv(k, k_min)))
@@ -377,10 +380,6 @@ def _slice_meta(out_slices: tuple[int, ...], block_n: int) -> tuple[tuple[int, .
         b += _cdiv(w, block_n)
         c += w
     return tuple(blk), tuple(col), tuple(out_slices), b
-
-
-def _dot_precision(*dtypes: torch.dtype) -> str:
-    return "ieee" if torch.float32 in dtypes else "tf32"
 
 
 def _device_guard(t: Tensor):
@@ -431,7 +430,7 @@ def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_off
             R=max_rank, SR=sr,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot, CAST_F32=f32,
-            DOT_PRECISION="ieee" if f32 else "tf32",
+            DOT_PRECISION="tf32x3" if f32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -469,7 +468,7 @@ def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], 
             R=max_rank, NUM_SLICES=num_slices,
             SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-            USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+            USE_DOT=cfg.use_dot, DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

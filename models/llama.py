@@ -358,3 +358,7 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         return hf_weights_adapter(state_dict)
+
+    def compile_regions(self) -> list[nn.Module]:
+        inner = self.model.model if self.manager is not None else self.model
+        return list(inner.layers)

@@ -38,6 +38,7 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
     assert node_capture_key(LoraBaseOnly(own[0])) == own[0] == node_capture_key(own[0])
     assert str(LoraBaseOnly(own[0])) == "base-only decode(batch=2, seq_len=1)"
     for key, graph in compiled.graphs.graphs.items():
+        assert graph.compiles == 1, (key, graph.compiles)  # one layer graph serves every layer
         if isinstance(key, LoraBaseOnly):
             assert graph.lora_ops == frozenset(), key
         else:
