@@ -114,13 +114,16 @@ class PipelineModelWithKVCache(abc.ABC):
         max_batch_size: KV cache rows (requests in flight).
         max_seq_len: positions per KV cache row.
         lora: the adapter pool's config, or None to serve the base model only.
+        weights: a checkpoint state dict (Hugging Face names) to load instead of reading
+            the directory's safetensors (benchmarks build models in memory).
 
     Raises:
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported.
     """
 
     def __init__(self, model_path: str, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                 max_batch_size: int = 8, max_seq_len: int = 512, lora: LoRAConfig | None = None) -> None:
+                 max_batch_size: int = 8, max_seq_len: int = 512, lora: LoRAConfig | None = None,
+                 weights: dict[str, Tensor] | None = None) -> None:
         from transformers import AutoConfig
 
         self.model_dir = resolve_model_path(model_path)
@@ -135,7 +138,9 @@ class PipelineModelWithKVCache(abc.ABC):
             self.manager = LoRAManager(lora, targets=self.lora_targets(), module_map=self.lora_module_map,
                                        module_path=self.lora_module_path, num_layers=self.num_layers,
                                        dtype=self.dtype, device=self.device)
+        self._weights = weights
         self.model = self.load_model()
+        self._weights = None
         self.step: Callable[..., Tensor] = self.model
         self.graphs: GraphCache | None = None
 
@@ -187,7 +192,8 @@ class PipelineModelWithKVCache(abc.ABC):
         if self.manager is not None:
             root = self.manager.wrap(module)
             adapter = self.manager.lora_weight_adapter(self.weights_adapter)
-        state = {k: v.to(self.dtype) for k, v in adapter(read_checkpoint(self.model_dir)).items()}
+        checkpoint = self._weights if self._weights is not None else read_checkpoint(self.model_dir)
+        state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         missing, unexpected = root.load_state_dict(state, strict=False)
         tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(self.config, "tie_word_embeddings", False) else set()
         if set(missing) - tied:

@@ -1,0 +1,254 @@
+"""Decode step time: the engine with and without LoRA, against the bandwidth floor and PEFT.
+
+Llama-3-8B shapes (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab
+128256), random bfloat16 weights, rank-16 adapters on all seven linears. For each batch
+size it times one decode step (median of CUDA-event-timed replays) for:
+
+    (a) the engine with LoRA disabled          (b) LoRA enabled, base-only batches
+    (c) one adapter for every row              (d) 4 distinct adapters mixed
+    (e) 16 distinct adapters mixed             peft: transformers + peft, (a) and (d)
+
+and the floor: weight bytes over the device copy bandwidth measured in the same run.
+
+    python bench/decode.py                      # the H200 run (writes bench/out/decode.json)
+    python bench/decode.py --smoke              # tiny shapes on the CPU, to check it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device copy bandwidth in bytes/s (bytes read + written), median of 20 copies of 1 GiB."""
+    if device.type != "cuda":
+        return float("nan")
+    n = 1 << 29
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[5:])
+
+
+def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
+    """A random PEFT adapter on all seven linears of every layer."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, ffn = config["hidden_size"], config["intermediate_size"]
+    head_dim = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, ffn),
+              "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (fan_in, fan_out) in shapes.items():
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                          "target_modules": list(LINEARS), "bias": "none",
+                                                          "task_type": "CAUSAL_LM"}))
+
+
+class Row:
+    def __init__(self, adapter: str | None) -> None:
+        self.adapter = adapter
+
+
+def time_engine_step(pipe, batch: int, adapters: list[str | None], *, context: int, reps: int) -> float:
+    """Median ms of one decode step (input copy + graph replay) over ``reps`` replays."""
+    dev = pipe.device
+    width = pipe.decode_width(batch)
+    rows = [Row(a) for a in adapters] + [Row(None)] * (width - batch)
+    if pipe.manager is not None:
+        rows = pipe.manager.sort_lora_batch(rows)
+    tokens = torch.randint(0, pipe.config.vocab_size, (width, 1), device=dev)
+    positions = torch.full((width, 1), context, dtype=torch.long, device=dev)
+    inputs = pipe.prepare(rows, tokens=tokens, positions=positions, cache_rows=torch.arange(width, device=dev),
+                          logits_index=torch.zeros(width, dtype=torch.long, device=dev), prefill=False)
+    for _ in range(3):
+        pipe.execute(inputs)
+    if dev.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            pipe.execute(inputs)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pipe.execute(inputs)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_peft_step(model, batch: int, adapter_names: list[str] | None, *, context: int, reps: int) -> float:
+    """Median ms of one ``transformers`` decode step with a DynamicCache of ``context``
+    tokens (``adapter_names``: PEFT's mixed-batch routing, one name a row)."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    cache = DynamicCache()
+    model(torch.randint(0, vocab, (batch, context), device=dev), past_key_values=cache, use_cache=True, **kwargs)
+    step = torch.randint(0, vocab, (batch, 1), device=dev)
+    times = []
+    for i in range(reps + 2):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(step, past_key_values=cache, use_cache=True, **kwargs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def mix(n_rows: int, names: list[str]) -> list[str]:
+    """Rows spread round-robin over ``names`` (as many distinct as rows allow)."""
+    return [names[i % len(names)] for i in range(n_rows)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--mode", default="cudagraph", choices=["cudagraph", "inductor"])
+    parser.add_argument("--context", type=int, default=64, help="KV positions before the timed step (default 64)")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="LoRA kernels")
+    parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--json", default="bench/out/decode.json")
+    args = parser.parse_args()
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.smoke:
+        args.mode, args.reps, args.batch_sizes = "inductor", 3, [1, 4]
+    shapes = SMOKE if args.smoke else LLAMA3_8B
+    work = Path(tempfile.mkdtemp(prefix="lora_graph_bench_"))
+    hf_config = LlamaConfig(**shapes)
+    hf_config.save_pretrained(work / "base")
+    max_batch = max(args.batch_sizes)
+    t0 = time.time()
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    weights = {k: v for k, v in hf.state_dict().items()}
+    print(f"random model built in {time.time() - t0:.1f} s", flush=True)
+
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(v.numel() * v.element_size() for k, v in weights.items() if not (hf_config.tie_word_embeddings and "lm_head" in k))
+    floor_ms = weight_bytes / bw * 1e3
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms", flush=True)
+
+    names = [f"a{i}" for i in range(16)]
+    for i, name in enumerate(names):
+        write_adapter(work / name, shapes, 16, seed=i)
+    common = dict(dtype=torch.bfloat16, device=device, max_batch_size=max_batch, max_seq_len=args.context + 64, weights=weights)
+    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+                     "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "floor_ms": floor_ms,
+                     "mode": args.mode, "backend": args.backend, "rows": []}
+
+    t0 = time.time()
+    plain = LlamaPipeline(str(work / "base"), **common)
+    plain.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
+    print(f"(a) captured in {time.time() - t0:.1f} s", flush=True)
+    a_ms = {b: time_engine_step(plain, b, [None] * b, context=args.context, reps=args.reps) for b in args.batch_sizes}
+    del plain
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    t0 = time.time()
+    lora = LlamaPipeline(str(work / "base"), **common, lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend))
+    lora.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
+    print(f"(b-e) captured in {time.time() - t0:.1f} s", flush=True)
+    t0 = time.time()
+    for name in names:
+        lora.manager.load_adapter(str(work / name), name=name)
+    print(f"16 adapters loaded in {time.time() - t0:.1f} s", flush=True)
+    rows = {}
+    for b in args.batch_sizes:
+        rows[b] = {
+            "a": a_ms[b],
+            "b": time_engine_step(lora, b, [None] * b, context=args.context, reps=args.reps),
+            "c": time_engine_step(lora, b, [names[0]] * b, context=args.context, reps=args.reps),
+            "d": time_engine_step(lora, b, mix(b, names[:4]), context=args.context, reps=args.reps),
+            "e": time_engine_step(lora, b, mix(b, names), context=args.context, reps=args.reps),
+        }
+        print(b, {k: round(v, 3) for k, v in rows[b].items()}, flush=True)
+    assert lora.graphs.recompiles == 0
+    del lora
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    if not args.skip_peft:
+        from peft import PeftModel
+
+        for b in args.batch_sizes:
+            rows[b]["peft_a"] = time_peft_step(hf, b, None, context=args.context, reps=min(args.reps, 10))
+        peft_model = PeftModel.from_pretrained(hf, str(work / names[0]), adapter_name=names[0]).eval()
+        for name in names[1:4]:
+            peft_model.load_adapter(str(work / name), adapter_name=name)
+        for b in args.batch_sizes:
+            rows[b]["peft_d"] = time_peft_step(peft_model, b, mix(b, names[:4]), context=args.context, reps=min(args.reps, 10))
+            print(b, "peft", round(rows[b]["peft_a"], 2), round(rows[b]["peft_d"], 2), flush=True)
+
+    header = ["batch", "floor ms", "(a) ms", "(b) ms", "(c) ms", "(d) ms", "(e) ms", "(a) tok/s", "(d) tok/s", "(e) tok/s",
+              "(a)/floor", "(b)/(a)", "(c)/(a)", "(d)/(a)", "(e)/(a)", "peft (a) ms", "peft (d) ms", "peft (d) tok/s",
+              "(d) vs peft (d)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for b, r in rows.items():
+        peft_a, peft_d = r.get("peft_a", float("nan")), r.get("peft_d", float("nan"))
+        cells = [b, floor_ms, r["a"], r["b"], r["c"], r["d"], r["e"], b / r["a"] * 1e3, b / r["d"] * 1e3, b / r["e"] * 1e3,
+                 r["a"] / floor_ms, r["b"] / r["a"], r["c"] / r["a"], r["d"] / r["a"], r["e"] / r["a"], peft_a, peft_d,
+                 b / peft_d * 1e3, peft_d / r["d"]]
+        lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
+        results["rows"].append({"batch": b, **r})
+    table = "\n".join(lines)
+    results["table"] = table
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    print(table)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
