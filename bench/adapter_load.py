@@ -1,0 +1,107 @@
+"""Adapter load times for Llama-3-8B shapes, rank 16 on all seven linears.
+
+Times (median of several runs): reading the checkpoint from disk, disk to the host tier
+(read, validate, normalise, pin: ``load_adapter``), and host tier to a device slot
+(``activate_adapter``), against pinned host-to-device bandwidth measured in the same run.
+
+    python bench/adapter_load.py            # on a GPU
+    python bench/adapter_load.py --smoke    # tiny shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs (after one warm-up)."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default="bench/out/adapter_load.json")
+    args = parser.parse_args()
+
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    from lora_graph import LoRAConfig, LoRAManager
+    from lora_graph.models.llama import LlamaConfig as Config
+    from lora_graph.models.llama import lora_module_map, lora_module_path, lora_targets
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    shapes = SMOKE if args.smoke else LLAMA3_8B
+    config = Config.from_hf(LlamaConfig(**shapes))
+    work = Path(tempfile.mkdtemp(prefix="lora_graph_load_"))
+    names = [f"x{i}" for i in range(args.reps + 1)]
+    for i, name in enumerate(names):  # distinct files, so no run reads another's page cache... except its own writing
+        write_adapter(work / name, shapes, 16, seed=i)
+    manager = LoRAManager(LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=len(names) + 1), targets=lora_targets(config),
+                          module_map=lora_module_map, module_path=lora_module_path, num_layers=config.num_hidden_layers,
+                          dtype=torch.bfloat16, device=device)
+    file_bytes = (work / names[0] / "adapter_model.safetensors").stat().st_size
+    image_bytes = manager.layout.numel * 2
+
+    read_s = timed(lambda: load_file(str(work / names[0] / "adapter_model.safetensors")), device, args.reps)
+    it = iter(names)
+
+    def to_host() -> None:
+        name = next(it)
+        manager.load_adapter(str(work / name), name=name)
+
+    to_host_s = timed(to_host, device, args.reps - 1)
+    slot_order = iter(manager.loras * 2)
+
+    def to_slot() -> None:
+        manager._release(name := next(slot_order))  # make the copy happen every time
+        manager.activate_adapter(name)
+
+    to_slot_s = timed(to_slot, device, args.reps - 1)
+    pinned = torch.empty(manager.layout.numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    dst = torch.empty_like(pinned, device=device)
+    h2d_s = timed(lambda: dst.copy_(pinned, non_blocking=True), device, args.reps)
+    h2d_bw = image_bytes / h2d_s
+
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "file_MB": file_bytes / 1e6,
+              "slot_image_MB": image_bytes / 1e6, "disk_read_ms": read_s * 1e3, "disk_to_host_tier_ms": to_host_s * 1e3,
+              "host_tier_to_slot_ms": to_slot_s * 1e3, "pinned_h2d_GBps": h2d_bw / 1e9,
+              "pinned_h2d_same_bytes_ms": h2d_s * 1e3, "slot_vs_h2d": to_slot_s / h2d_s}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print("| file MB | slot image MB | disk read ms | disk → host tier ms | host tier → slot ms | pinned H2D GB/s | H2D same bytes ms | slot / H2D |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {file_bytes / 1e6:.1f} | {image_bytes / 1e6:.1f} | {read_s * 1e3:.1f} | {to_host_s * 1e3:.1f} | "
+          f"{to_slot_s * 1e3:.2f} | {h2d_bw / 1e9:.1f} | {h2d_s * 1e3:.2f} | {to_slot_s / h2d_s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
