@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from lora_graph import ops
 from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layers import BoundInputs, LoRALinear
@@ -104,6 +105,7 @@ class LoRAManager:
         self._adapters: dict[str, LoadedAdapter] = {}
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._running: frozenset[str] = frozenset()
+        self.kernels = ops.kernels(config.backend, self.device)
         self._bound = BoundInputs()
         self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
         self._layers: list[LoRALinear] = []
@@ -403,7 +405,7 @@ class LoRAManager:
                 if not isinstance(base, nn.Linear):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
                 lora = LoRALinear(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
-                                  bound=self._bound)
+                                  bound=self._bound, kernels=self.kernels)
                 lora.bind_slots(self._slot_views)
                 setattr(parent, attr, lora)
                 self._layers.append(lora)

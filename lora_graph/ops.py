@@ -130,3 +130,29 @@ def lora_expand_(
 @lora_expand_.register_fake
 def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
     return None
+
+
+def kernels(backend: str, device: torch.device) -> tuple[object, object]:
+    """The ``(shrink, expand_)`` ops of a backend: ``"torch"`` (the reference above),
+    ``"triton"`` (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is
+    installed, else the reference).
+
+    Raises:
+        ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
+            (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
+    """
+    if backend == "torch":
+        return lora_shrink, lora_expand_
+    from lora_graph import triton_ops
+
+    if backend == "auto":
+        if device.type == "cuda" and triton_ops.HAVE_TRITON:
+            return triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_
+        return lora_shrink, lora_expand_
+    if backend == "triton":
+        if not triton_ops.HAVE_TRITON:
+            raise ValueError("backend='triton' but Triton is not installed")
+        if device.type != "cuda" and not triton_ops.interpreted():
+            raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+        return triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_
+    raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
