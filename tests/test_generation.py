@@ -1,0 +1,89 @@
+"""Sampling, stopping, request validation and dtypes of the engine."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_pipeline, prompts
+
+from lora_graph.engine import LLMEngine, Request, SamplingParams, sample
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tiny, reference_factory):
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny)
+    ids = prompts(1, seed=41)[0]
+    hot = SamplingParams(max_new_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    runs = [LLMEngine(pipe).generate([Request("x", ids, "A", hot)])[0].token_ids for _ in range(2)]
+    other = LLMEngine(pipe).generate([Request("x", ids, "A", SamplingParams(**{**hot.__dict__, "seed": 8}))])[0].token_ids
+    assert runs[0] == runs[1]
+    assert other != runs[0]
+    top1 = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=1, seed=3, ignore_eos=True)
+    out = LLMEngine(pipe).generate([Request("x", ids, "A", top1)])[0].token_ids
+    assert out == ref.greedy(ids, "A", 12)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    g = torch.Generator().manual_seed(0)
+    draws = {sample(logits, SamplingParams(temperature=1.0, top_p=0.75), g) for _ in range(200)}
+    assert draws == {0, 1}
+    draws = {sample(logits, SamplingParams(temperature=1.0, top_k=3), g) for _ in range(300)}
+    assert draws == {0, 1, 2}
+
+
+def test_stop_tokens_and_eos_end_a_request(tiny, reference_factory):
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny)
+    ids = prompts(1, seed=42)[0]
+    expected = ref.greedy(ids, "B", 10)
+    stop = expected[4]
+    first = expected.index(stop)
+    out = LLMEngine(pipe).generate([Request("s", ids, "B", SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)))])[0]
+    assert out.token_ids == expected[: first + 1] and out.finish_reason == "stop"
+    out = LLMEngine(pipe, eos_token_ids=(stop,)).generate([Request("e", ids, "B", SamplingParams(max_new_tokens=10))])[0]
+    assert out.token_ids == expected[: first + 1]
+    out = LLMEngine(pipe, eos_token_ids=(stop,)).generate(
+        [Request("i", ids, "B", SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
+    assert out.token_ids == expected and out.finish_reason == "length"
+
+
+def test_bad_requests_get_errors_and_the_rest_are_served(tiny, reference_factory):
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_seq_len=32)
+    good = prompts(2, seed=43)
+    requests = [
+        Request("ok0", good[0], "A", SamplingParams(max_new_tokens=5, ignore_eos=True)),
+        Request("unknown", good[0], "Z"),
+        Request("empty", [], None),
+        Request("vocab", [1, 999], None),
+        Request("long", list(range(3, 40)), None),
+        Request("zero", good[0], None, SamplingParams(max_new_tokens=0)),
+        Request("top_p", good[0], None, SamplingParams(temperature=1.0, top_p=0.0)),
+        Request("ok1", good[1], None, SamplingParams(max_new_tokens=5, ignore_eos=True)),
+    ]
+    out = {o.id: o for o in LLMEngine(pipe).generate(requests)}
+    assert "unknown adapter 'Z'" in out["unknown"].error
+    assert "empty" in out["empty"].error
+    assert "[0, 128)" in out["vocab"].error
+    assert "max_seq_len" in out["long"].error
+    assert "max_new_tokens" in out["zero"].error
+    assert "top_p" in out["top_p"].error
+    assert out["ok0"].token_ids == ref.greedy(good[0], "A", 5)
+    assert out["ok1"].token_ids == ref.greedy(good[1], None, 5)
+
+
+def test_generation_stops_at_the_end_of_the_kv_cache_row(tiny):
+    pipe = make_pipeline(tiny, max_seq_len=16)
+    out = LLMEngine(pipe).generate([Request("x", list(range(3, 13)), "A", SamplingParams(max_new_tokens=50, ignore_eos=True))])[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_bfloat16_and_float16_follow_float32(tiny):
+    from test_parity import MIX, run_prefill
+
+    batch = prompts(len(MIX), seed=44)
+    want = run_prefill(make_pipeline(tiny), batch, MIX)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = run_prefill(make_pipeline(tiny, dtype=dtype), batch, MIX)
+        for g, w in zip(got, want, strict=True):
+            assert (g.float() - w).norm() / w.norm() < 3e-2, dtype
