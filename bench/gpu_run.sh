@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything this project checks and times on a GPU, in stages that each fit one device call:
+#   bash bench/gpu_run.sh tests     GPU tests (CUDA graphs, Triton kernels, parity per backend)
+#   bash bench/gpu_run.sh kernels   bench/kernels.py
+#   bash bench/gpu_run.sh decode    bench/decode.py (Triton backend, CUDA graphs) + bench/adapter_load.py
+# Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
+set -uo pipefail
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+for stage in "$@"; do
+  case $stage in
+    tests)
+      python3 -m pytest -q -rs -m "gpu or compile" -k "not cpu-inductor" -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    kernels)
+      python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+    decode)
+      python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
+      python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
