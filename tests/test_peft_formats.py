@@ -1,0 +1,72 @@
+"""PEFT config features, each against per-request transformers + peft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_peft_adapter, make_pipeline, prompts
+from safetensors.torch import load_file, save_file
+from test_parity import run_prefill
+
+CASES = {
+    "regex_targets": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|down_proj)"),
+    "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear"),
+    "rank_alpha_pattern": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                               rank_pattern={"v_proj": 8, "layers.1.mlp.up_proj": 2}, alpha_pattern={"q_proj": 32}),
+    "layers_to_transform": dict(r=8, lora_alpha=16, target_modules=["k_proj", "gate_proj"], layers_to_transform=[1],
+                                layers_pattern="layers"),
+    "rslora_rank_pattern": dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"],
+                                rank_pattern={"o_proj": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def feature_adapters(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("features")
+    return {name: make_peft_adapter(tiny.base, root / name, seed=100 + i, factor=30.0, **kw)
+            for i, (name, kw) in enumerate(CASES.items())}
+
+
+def _peft_logits(base_dir, adapter_dir, batch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0] for ids in batch]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_peft_feature_matches_peft(tiny, feature_adapters, case):
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(feature_adapters[case]), name=case)
+    batch = prompts(2, seed=51)
+    got = run_prefill(pipe, batch, [case, None])
+    want = _peft_logits(tiny.base, feature_adapters[case], batch[:1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got[0], run_prefill(pipe, batch[:1], [None])[0], atol=1e-2)  # the adapter acts
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_and_adapter_name_infix(tiny, tmp_path, dtype):
+    """Weights saved in half precision, keys with PEFT's adapter-name infix
+    (``lora_A.default.weight``) and without the ``base_model.model.`` prefix."""
+    src = tiny.adapters["A"]
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    renamed = {k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v.to(dtype) for k, v in weights.items()}
+    out = tmp_path / "renamed"
+    out.mkdir()
+    save_file(renamed, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    cast = tmp_path / "cast"
+    cast.mkdir()
+    save_file({k: v.to(dtype).float() for k, v in weights.items()}, str(cast / "adapter_model.safetensors"))
+    (cast / "adapter_config.json").write_text(json.dumps(json.loads((src / "adapter_config.json").read_text())))
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(out), name="renamed")
+    pipe.manager.load_adapter(str(cast), name="cast")
+    batch = prompts(1, seed=52)
+    got, want = run_prefill(pipe, batch * 2, ["renamed", "cast"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
