@@ -141,7 +141,7 @@ def kernels(backend: str, device: torch.device) -> tuple[object, object]:
         ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
             (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
     """
-    if backend == "torch":
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return lora_shrink, lora_expand_
     from lora_graph import triton_ops
 
