@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -70,10 +71,8 @@ def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
     from transformers import GenerationConfig
 
     eos: Any = getattr(hf_config, "eos_token_id", None)
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
-    except OSError:
-        pass
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

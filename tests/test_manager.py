@@ -12,7 +12,7 @@ from conftest import ALL_LINEARS, Row, make_peft_adapter, make_pipeline, prompts
 from safetensors.torch import load_file, save_file
 from test_parity import run_prefill
 
-from lora_graph import AdapterError, LoRAStatus, LoraReqConfig, NoFreeSlotError
+from lora_graph import AdapterError, LoraReqConfig, LoRAStatus, NoFreeSlotError
 
 
 def test_inputs_order_and_count(tiny):
