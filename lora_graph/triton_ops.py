@@ -26,30 +26,41 @@ builds (``grouped_offsets[0] == 0``, ``grouped_offsets[G] == end``) both reading
 
 Kernel design (no host synchronisation; the grid depends only on shapes):
 
+- Work items. Each group's rows are cut into row tiles of ``BLOCK_M`` rows counted from
+  the group's own start. Every program reads the routing triple once (one vector load of
+  ``G`` entries), drops groups that name slot 0 / an unknown slot / no rows, and takes a
+  ``cumsum`` of the groups' tile counts, so tile ``i`` maps to its group and rows in
+  registers. The number of tiles of any routing of ``N`` rows in ``G`` groups is at most
+  ``cdiv(N, BLOCK_M) + min(G, N)`` (one partial tile per non-empty group): the launch
+  covers that bound, so a replay with more groups than before still covers every row.
+  Items past the real tile count are idle and cost a few register ops. A 1-D grid of
+  ``min(items, max_programs)`` programs walks the items grid-stride (at decode
+  ``max_programs = 4 * SMs``, so idle items do not cost a CTA each; at prefill one program
+  per item).
 - shrink: one launch for all slices. The A block of a fused target is one ``[S*R, K]``
   matrix per slot (``S = num_slices``, ``R = max_rank``), so shrink is a segmented GEMM
-  ``[rows, K] @ [K, S*R]`` whose column ``j`` lands in ``h[j // R, t, j % R]``. Grid
-  ``(G, cdiv(N, BLOCK_M), cdiv(S*R, BLOCK_N) * SPLIT_K)``: axis 0 is the group (its slot
-  and row range are read on the device), axis 1 a row block *relative to the group's
-  start* (a program past the group's end returns at once), axis 2 a column block times a
-  K split. With ``SPLIT_K > 1`` each program reduces ``K / SPLIT_K`` of the inner
-  dimension and ``tl.atomic_add``\\ s its fp32 partial into ``h`` (zeroed by
-  ``torch.zeros``), so at decode a ``16 x 4096`` A is streamed by many SMs at once.
-- expand: one launch for all slices. Grid ``(G, cdiv(N, BLOCK_M), sum_s cdiv(w_s,
-  BLOCK_N))``: the column blocks of every slice are laid end to end, a program finds its
-  slice from the constexpr block starts (``static_range`` over the slices, no table in
-  memory), loads the ``[BLOCK_M, R]`` fp32 ``h`` tile and the ``[BLOCK_N, R]`` B tile,
-  adds the fp32 product to ``y`` (upcast) and stores it back in ``y``'s dtype.
+  ``[rows, K] @ [K, S*R]`` whose column ``j`` lands in ``h[j // R, t, j % R]``. An item is
+  ``(row tile, column block of BLOCK_N, K split)``. With ``SPLIT_K > 1`` an item reduces
+  ``K / SPLIT_K`` of the inner dimension and ``tl.atomic_add`` adds its fp32 partial into
+  ``h`` (zeroed by ``torch.zeros``), so at decode a ``16 x 4096`` A is streamed by many
+  SMs at once (``SPLIT_K`` up to 64, one ``BLOCK_K`` step each); at prefill the splits
+  are few and long.
+- expand: one launch for all slices. An item is ``(row tile, column block)``; the column
+  blocks of every slice are laid end to end and an item finds its slice from constexpr
+  block starts (``static_range`` over the slices, no table in memory). It loads the
+  ``[BLOCK_M, R]`` fp32 ``h`` tile and the ``[BLOCK_N, R]`` B tile, adds the fp32 product
+  to ``y`` (upcast) and stores it in ``y``'s dtype; only rows that get a delta are written.
 - Both use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast
   multiply + ``tl.sum`` for ``BLOCK_M < 16`` (``N <= 4`` rows: decode at batch 1..4).
-  fp32 operands are multiplied with ``input_precision="tf32x3"`` (three TF32 MMAs, about
-  fp32 accuracy; plain fp32 FMA dots spill registers at these tiles); expand multiplies
-  fp32 ``h`` by B upcast to fp32 (``tf32`` when ``y`` is 16-bit: its error is well below
-  ``y``'s rounding; ``tf32x3`` when ``y`` is fp32).
-- Groups naming slot 0 (padding) return before reading anything. A replay with more
-  groups than a previous one needs nothing new: every group has its own grid row.
-- The only per-call allocation is the output ``h``. Block sizes and ``SPLIT_K`` come from
-  :func:`shrink_config` / :func:`expand_config` (cached per shape).
+  bf16/fp16 shrink tiles go to the tensor cores as they are; fp32 operands use
+  ``input_precision="tf32x3"`` (three TF32 MMAs, about fp32 accuracy; plain fp32 FMA dots
+  spill registers at these tiles); expand multiplies fp32 ``h`` by B upcast to fp32
+  (``tf32`` when ``y`` is 16-bit: its error is well below ``y``'s rounding; ``tf32x3``
+  when ``y`` is fp32).
+- The only per-call allocation is the output ``h``. Tiles, ``SPLIT_K`` and the program
+  cap come from :func:`shrink_config` / :func:`expand_config` (pure functions of shapes,
+  cached); :func:`launch_shrink` / :func:`launch_expand` take an explicit config too.
+  Every variant of these heuristics compiles for sm_90 without register spills.
 
 This module imports without Triton installed (``HAVE_TRITON`` is then False and calling
 an op raises ``RuntimeError``). Kernels decorated while ``TRITON_INTERPRET=1`` is set run
@@ -60,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -100,59 +112,54 @@ _DEFAULT_SMS = 132  # H100 / H200
 if HAVE_TRITON:
 
     @triton.jit
-    def _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots):
-        """The slot of group ``g`` and its rows ``[lo, hi)`` (empty for slot 0 / invalid)."""
-        slot = tl.load(lora_ids_ptr + g).to(tl.int32)
+    def _group_table(lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots,
+                     G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per group (vectors of ``G_POW2``): slot, rows ``[lo, hi)`` (empty for slot 0, an
+        unknown slot, or padding), and its row tiles ``[first, last)`` in the tile sequence."""
+        gs = tl.arange(0, G_POW2)
+        in_g = gs < G
+        slot = tl.load(lora_ids_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        lo = tl.load(offsets_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        hi = tl.load(offsets_ptr + gs + 1, mask=in_g, other=0).to(tl.int32)
         end = tl.load(end_ptr).to(tl.int32)
-        lo = tl.load(offsets_ptr + g).to(tl.int32)
-        hi = tl.load(offsets_ptr + g + 1).to(tl.int32)
-        lo = tl.where(g == 0, 0, lo)
-        hi = tl.where(g == G - 1, end, tl.minimum(hi, end))
+        lo = tl.where(gs == 0, 0, lo)  # the reference's searchsorted puts rows before offsets[1] in group 0
+        hi = tl.where(gs == G - 1, end, tl.minimum(hi, end))  # ... and rows up to end in group G - 1
         hi = tl.minimum(hi, N)
-        valid = (slot > 0) & (slot < num_slots)
+        valid = in_g & (slot > 0) & (slot < num_slots) & (hi > lo)
         hi = tl.where(valid, hi, lo)
-        return slot, lo, hi
+        ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        last = tl.cumsum(ntiles, 0)
+        return gs, slot, lo, hi, last - ntiles, last
 
     @triton.jit
-    def _shrink_kernel(
-        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
-        N, K, G, num_slots, k_per_split,
-        stride_xm, stride_xk,
-        stride_as, stride_aj, stride_ak,
-        stride_hs, stride_hm, stride_hr,
-        R: tl.constexpr, SR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+    def _tile_rows(tile, gs, slot, lo, hi, first, last, BLOCK_M: tl.constexpr):
+        """Slot and rows ``[row0, hi)`` of row tile ``tile``; ``row0 >= hi`` when idle."""
+        g = tl.sum((last <= tile).to(tl.int32), axis=0)
+        sel = gs == g
+        slot_g = tl.sum(tl.where(sel, slot, 0), axis=0)
+        lo_g = tl.sum(tl.where(sel, lo, 0), axis=0)
+        hi_g = tl.sum(tl.where(sel, hi, 0), axis=0)
+        first_g = tl.sum(tl.where(sel, first, 0), axis=0)
+        return slot_g, lo_g + (tile - first_g) * BLOCK_M, hi_g
+
+    @triton.jit
+    def _shrink_tile(
+        x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot, j, k]`` over this
-        program's K split, for the rows of group ``program_id(0)``.
-
-        x ``[N, K]``; A ``[num_slots, S*R, K]`` (strided pool view); h ``[S, N, R]`` fp32.
-        """
-        g = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_nk = tl.program_id(2)
-        pid_n = pid_nk // SPLIT_K
-        pid_k = pid_nk % SPLIT_K
-
-        slot, lo, hi = _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots)
-        row0 = lo + pid_m * BLOCK_M
-        if row0 >= hi:
-            return
-
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < hi
         rows = offs_m.to(tl.int64)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_j = offs_j < SR
-        k0 = pid_k * k_per_split
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
 
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
         a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as
                   + offs_j[None, :] * stride_aj + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
-
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_per_split, BLOCK_K):
             mask_k = offs_k < K - kk
@@ -177,34 +184,50 @@ if HAVE_TRITON:
         else:
             tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
 
-    @triton.jit
-    def _expand_kernel(
-        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
-        N, G, num_slots,
-        stride_ym, stride_yn,
+    # Row counts, group counts and item counts are not specialised on (one binary serves
+    # every batch bucket with the same tiles); K and the strides are (vectorised loads).
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    def _shrink_kernel(
+        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, K, G, num_slots, k_per_split, n_items,
+        stride_xm, stride_xk,
+        stride_as, stride_aj, stride_ak,
         stride_hs, stride_hm, stride_hr,
-        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot(t), j, k]`` for every
+        work item ``(row tile, column block, K split)`` this program owns.
+
+        x ``[N, K]``; A ``[num_slots, S*R, K]`` (strided pool view); h ``[S, N, R]`` fp32.
+        Items are numbered ``tile * (n_col_blocks * SPLIT_K) + col_block * SPLIT_K + split``;
+        program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        per_tile: tl.constexpr = ((SR + BLOCK_N - 1) // BLOCK_N) * SPLIT_K
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // per_tile
+            pid_n = (item % per_tile) // SPLIT_K
+            pid_k = item % SPLIT_K
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                _shrink_tile(x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+                             stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
+                             R, SR, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32, DOT_PRECISION)
+
+    @triton.jit
+    def _expand_tile(
+        y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+        stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
         R: tl.constexpr, NUM_SLICES: tl.constexpr,
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot, c, r])``
-        for the rows of group ``program_id(0)`` and the columns of block ``program_id(2)``.
-
-        y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
-        The slices' column blocks are laid end to end: slice ``i`` owns blocks
-        ``SLICE_BLOCK0[i]:SLICE_BLOCK0[i + 1]`` and columns ``SLICE_COL0[i] + [0, SLICE_WIDTH[i])``.
-        """
-        g = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_n = tl.program_id(2)
-
-        slot, lo, hi = _group_rows(g, lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots)
-        row0 = lo + pid_m * BLOCK_M
-        if row0 >= hi:
-            return
-
+        # which slice column block pid_n is in (constexpr block starts, no table in memory)
         sl = pid_n * 0
         blk0 = pid_n * 0 + SLICE_BLOCK0[0]
         col0 = pid_n * 0 + SLICE_COL0[0]
@@ -241,13 +264,46 @@ if HAVE_TRITON:
         out = yt.to(tl.float32) + delta
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    def _expand_kernel(
+        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, G, num_slots, n_items,
+        stride_ym, stride_yn,
+        stride_hs, stride_hm, stride_hr,
+        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
+        for every work item ``(row tile, column block)`` this program owns.
+
+        y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
+        The slices' column blocks are laid end to end: slice ``i`` owns blocks from
+        ``SLICE_BLOCK0[i]`` and columns ``SLICE_COL0[i] + [0, SLICE_WIDTH[i])``. Items are
+        numbered ``tile * N_COL_BLOCKS + col_block``; program ``p`` takes ``p, p + num_programs, ...``.
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // N_COL_BLOCKS
+            pid_n = item % N_COL_BLOCKS
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+                             stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
+                             R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                             BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
+
+
+_INTERPRETED = HAVE_TRITON and not isinstance(_shrink_kernel, triton.runtime.JITFunction)
+
 
 def interpreted() -> bool:
     """Whether the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
     set when this module was first imported)."""
-    if not HAVE_TRITON:
-        return False
-    return not isinstance(_shrink_kernel, triton.runtime.JITFunction)
+    return _INTERPRETED
 
 
 def _require_triton() -> None:
@@ -287,6 +343,7 @@ class ShrinkConfig:
     k_per_split: int
     num_warps: int = 4
     num_stages: int = 3
+    max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
 
     @property
     def use_dot(self) -> bool:
@@ -302,6 +359,7 @@ class ExpandConfig:
     block_r: int
     num_warps: int = 4
     num_stages: int = 1
+    max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
 
     @property
     def use_dot(self) -> bool:
@@ -309,10 +367,11 @@ class ExpandConfig:
 
 
 def _finish_shrink(k: int, block_m: int, block_n: int, block_k: int, split_k: int,
-                   num_warps: int, num_stages: int) -> ShrinkConfig:
+                   num_warps: int, num_stages: int, max_programs: int = 0) -> ShrinkConfig:
     split_k = max(1, min(split_k, _cdiv(k, block_k)))
     k_per_split = _cdiv(_cdiv(k, split_k), block_k) * block_k
-    return ShrinkConfig(block_m, block_n, block_k, _cdiv(k, k_per_split), k_per_split, num_warps, num_stages)
+    return ShrinkConfig(block_m, block_n, block_k, _cdiv(k, k_per_split), k_per_split, num_warps, num_stages,
+                        max_programs)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -344,11 +403,13 @@ def shrink_config(n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _D
         k_min, num_warps, num_stages = 4 * block_k, 8, 3
     busy = _cdiv(n, block_m) * _cdiv(sr, block_n)
     split_k = max(1, min(_cdiv(2 * num_sms, busy), _cdiv(k, k_min)))
-    return _finish_shrink(k, block_m, block_n, block_k, split_k, num_warps, num_stages)
+    return _finish_shrink(k, block_m, block_n, block_k, split_k, num_warps, num_stages,
+                          4 * num_sms if n <= 64 else 0)
 
 
 @functools.lru_cache(maxsize=1024)
-def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2) -> ExpandConfig:
+def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2,
+                  num_sms: int = _DEFAULT_SMS) -> ExpandConfig:
     """Heuristic tiles for expand of ``N = n`` rows, widest slice ``max_width``, ``y`` of
     ``elt_bytes`` bytes.
 
@@ -367,7 +428,15 @@ def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2) -> 
     else:
         block_m, block_n = 64, wide
     block_n = min(block_n, max(16, _next_pow2(max_width)))
-    return ExpandConfig(block_m, block_n, block_r, num_warps=8 if block_m * block_n >= 4096 else 4)
+    return ExpandConfig(block_m, block_n, block_r, num_warps=8 if block_m * block_n >= 4096 else 4,
+                        max_programs=4 * num_sms if n <= 64 else 0)
+
+
+def _num_tiles(n: int, g: int, block_m: int) -> int:
+    """An upper bound on the row tiles of any routing of ``n`` rows in ``g`` groups: groups
+    are disjoint row ranges, each tiled from its own start, so at most one partial tile per
+    non-empty group beyond ``cdiv(n, block_m)``. Depends on shapes only."""
+    return _cdiv(n, block_m) + min(g, n)
 
 
 @functools.lru_cache(maxsize=256)
@@ -382,10 +451,33 @@ def _slice_meta(out_slices: tuple[int, ...], block_n: int) -> tuple[tuple[int, .
     return tuple(blk), tuple(col), tuple(out_slices), b
 
 
+def _check_devices(*tensors: Tensor) -> None:
+    device = tensors[0].device
+    if any(t.device != device for t in tensors[1:]):
+        raise ValueError(f"activations, slots, h and routing must share one device, got {[str(t.device) for t in tensors]}")
+
+
 def _device_guard(t: Tensor):
     if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
+    if _INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
+        return _interpreter_env()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _interpreter_env():
+    """Interpreted kernels need ``TRITON_INTERPRET=1`` while they launch too (Triton reads it
+    lazily, e.g. when it first imports its gluon frontend); set it for the launch only."""
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
 
 
 # --------------------------------------------------------------------------------------
@@ -413,21 +505,23 @@ def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_off
     if n == 0 or g == 0:
         return
     assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
+    _check_devices(x, a, h, lora_ids, grouped_offsets, end)
     cfg = config or shrink_config(n, k, sr, x.element_size(), _num_sms(x.device))
     # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
     # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
     # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
     f32 = (x.dtype != a.dtype or x.dtype == torch.float32
            or (x.dtype == torch.bfloat16 and interpreted()))
-    grid = (g, _cdiv(n, cfg.block_m), _cdiv(sr, cfg.block_n) * cfg.split_k)
+    n_items = _num_tiles(n, g, cfg.block_m) * _cdiv(sr, cfg.block_n) * cfg.split_k
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(x):
         _shrink_kernel[grid](
             x, a, h, lora_ids, grouped_offsets, end,
-            n, k, g, num_slots, cfg.k_per_split,
+            n, k, g, num_slots, cfg.k_per_split, n_items,
             x.stride(0), x.stride(1),
             a.stride(0), a.stride(1), a.stride(2),
             h.stride(0), h.stride(1), h.stride(2),
-            R=max_rank, SR=sr,
+            R=max_rank, SR=sr, G_POW2=max(16, _next_pow2(g)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot, CAST_F32=f32,
             DOT_PRECISION="tf32x3" if f32 else "tf32",
@@ -455,17 +549,19 @@ def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], 
     if n == 0 or g == 0:
         return
     assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
-    cfg = config or expand_config(n, max(out_slices), max_rank, y.element_size())
+    _check_devices(y, h, b, lora_ids, grouped_offsets, end)
+    cfg = config or expand_config(n, max(out_slices), max_rank, y.element_size(), _num_sms(y.device))
     blk0, col0, widths, n_blocks = _slice_meta(tuple(out_slices), cfg.block_n)
-    grid = (g, _cdiv(n, cfg.block_m), n_blocks)
+    n_items = _num_tiles(n, g, cfg.block_m) * n_blocks
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(y):
         _expand_kernel[grid](
             y, h, b, lora_ids, grouped_offsets, end,
-            n, g, num_slots,
+            n, g, num_slots, n_items,
             y.stride(0), y.stride(1),
             h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
-            R=max_rank, NUM_SLICES=num_slices,
+            R=max_rank, G_POW2=max(16, _next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
             SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
             USE_DOT=cfg.use_dot, DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
