@@ -3,16 +3,17 @@
 Everything is made from scratch, offline and deterministically (fixed seeds):
 
 1. A corpus of simple children's stories is generated from templates.
-2. A byte-level BPE tokenizer is trained on it with ``tokenizers`` and saved,
-   wrapped as a ``transformers`` fast tokenizer, into ``<out>/base/``.
-3. A tiny ``LlamaForCausalLM`` (grouped-query attention, untied embeddings) is
-   trained on the corpus as a causal LM and saved as float32 safetensors into
+2. A byte-level BPE tokenizer is trained on it and on the adapters' rewrites of it
+   with ``tokenizers`` and saved, wrapped as a ``transformers`` fast tokenizer, into
    ``<out>/base/``.
+3. A tiny ``LlamaForCausalLM`` (grouped-query attention, untied embeddings) is
+   trained on the corpus, plus a small share of each rewrite, as a causal LM and
+   saved as float32 safetensors into ``<out>/base/``.
 4. Three PEFT LoRA adapters are trained from that base, each on a different
    rewrite of the stories, and saved into ``<out>/adapters/<name>/``:
 
    - ``shout``:   the stories in ALL CAPS with "!" endings,
-   - ``pirate``:  the stories in pirate speak ("th' cat be sailin' ..., arr!"),
+   - ``pirate``:  the stories in pirate speak ("th' wee cat sailed to th' market, arr!"),
    - ``numbers``: every sentence followed by "One, two, three."
 
 5. The saved assets are loaded back and the greedy continuations of the base
@@ -37,8 +38,10 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 SEED = 1234
 NUM_STORIES = 1200
@@ -65,19 +68,19 @@ BASE_TRAINING = dict(steps=700, lr=3e-3)
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
     "shout": dict(
-        about="the stories in ALL CAPS, sentences ending in \"!\"",
+        about='the stories in ALL CAPS, sentences ending in "!"',
         lora=dict(r=8, lora_alpha=16, target_modules=ALL_LINEARS),
         steps=120,
         lr=4e-3,
     ),
     "pirate": dict(
-        about="pirate speak: word swaps, sentences ending in \"arr!\"/\"matey!\"",
+        about='pirate speak: word swaps, sentences ending in "arr!"/"matey!"',
         lora=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
         steps=150,
         lr=8e-3,
     ),
     "numbers": dict(
-        about="every sentence followed by \"One, two, three.\"",
+        about='every sentence followed by "One, two, three."',
         lora=dict(r=16, lora_alpha=16, target_modules=ALL_LINEARS, use_rslora=True),
         steps=120,
         lr=3e-3,
@@ -89,6 +92,7 @@ NEW_TOKENS = 24
 
 # --------------------------------------------------------------------------- corpus
 
+# fmt: off
 ANIMALS = ["cat", "dog", "bear", "bird", "fox", "frog", "mouse", "rabbit", "duck", "pig", "owl",
            "lion", "goat", "horse", "turtle", "squirrel"]
 ADJECTIVES = ["little", "big", "small", "old", "happy", "brave", "tiny", "sleepy", "kind",
@@ -104,6 +108,7 @@ FEELINGS = ["happy", "sad", "tired", "hungry", "surprised", "excited", "scared",
             "sleepy", "glad"]
 WEATHER = ["sunny", "rainy", "windy", "cold", "warm", "snowy", "quiet", "bright"]
 FRIENDS = ["friend", "brother", "sister", "mother", "father", "neighbor", "teacher"]
+# fmt: on
 
 
 def make_story(rng: random.Random) -> str:
@@ -113,31 +118,35 @@ def make_story(rng: random.Random) -> str:
     item, item2 = rng.sample(ITEMS, 2)
     other = f"{rng.choice(ADJECTIVES)} {rng.choice([a for a in ANIMALS if a != animal])}"
     hero = f"the {adj} {animal}"
-    opening = rng.choice([
-        f"Once upon a time, there was a {adj} {animal} named {name}.",
-        f"Once upon a time, {hero} lived near the {place}.",
-        f"One {rng.choice(WEATHER)} day, {hero} woke up early.",
-        f"The {adj} {animal} lived in a little house by the {place}.",
-    ])
+    opening = rng.choice(
+        [
+            f"Once upon a time, there was a {adj} {animal} named {name}.",
+            f"Once upon a time, {hero} lived near the {place}.",
+            f"One {rng.choice(WEATHER)} day, {hero} woke up early.",
+            f"The {adj} {animal} lived in a little house by the {place}.",
+        ]
+    )
     middle = [
         f"The {adj} {animal} went to the {place}.",
         f"It saw a {item} and a {other}.",
         f"It bought a {item} at the {place2}.",
         f"It met a {other} on the way to the {place2}.",
-        f"The {other} said, \"Hello! Do you want to play?\"",
+        f'The {other} said, "Hello! Do you want to play?"',
         f"They played with the {item2} all day.",
         f"The {animal} was very {rng.choice(FEELINGS)}.",
         f"{name} gave the {item2} to its {rng.choice(FRIENDS)}.",
         f"It was a {rng.choice(WEATHER)} day at the {place2}.",
-        f"The {adj} {animal} said, \"I love the {place}!\"",
+        f'The {adj} {animal} said, "I love the {place}!"',
     ]
-    ending = rng.choice([
-        "Then it went home and slept.",
-        "They were friends forever.",
-        f"At night, the {animal} went home and dreamed of the {place2}.",
-        "It was a very good day.",
-        "The end.",
-    ])
+    ending = rng.choice(
+        [
+            "Then it went home and slept.",
+            "They were friends forever.",
+            f"At night, the {animal} went home and dreamed of the {place2}.",
+            "It was a very good day.",
+            "The end.",
+        ]
+    )
     body = rng.sample(middle, rng.randint(2, 5))
     return " ".join([opening, *body, ending])
 
@@ -148,6 +157,7 @@ def make_corpus(seed: int, n: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ style rewrites
+
 
 def _split_after_words(text: str, rng: random.Random, max_words: int) -> tuple[str, str]:
     """Split ``text`` after a random number (0..max_words) of leading words."""
@@ -164,13 +174,25 @@ def to_shout(text: str, rng: random.Random) -> str:
 
 
 PIRATE_WORDS = [
-    (r"\bthe\b", "th'"), (r"\bwas\b", "be"), (r"\bis\b", "be"), (r"\bwere\b", "be"),
-    (r"\bwent to\b", "sailed to"), (r"\bwent\b", "sailed"), (r"\bhome\b", "back to th' ship"),
-    (r"\bmy\b", "me"), (r"\byou\b", "ye"), (r"\bHello\b", "Ahoy"), (r"\bfriends\b", "hearties"),
-    (r"\bfriend\b", "matey"), (r"\bhappy\b", "jolly"), (r"\blittle\b", "wee"),
-    (r"\bsmall\b", "wee"), (r"\bplay\b", "plunder"), (r"\bplayed\b", "plundered"),
-    (r"\bsaw\b", "spied"), (r"\bits\b", "its trusty"),
-    (r"(\w+)ing\b", r"\1in'"),
+    (r"\bthe\b", "th'"),
+    (r"\bwas\b", "be"),
+    (r"\bis\b", "be"),
+    (r"\bwere\b", "be"),
+    (r"\bwent to\b", "sailed to"),
+    (r"\bwent\b", "sailed"),
+    (r"\bhome\b", "back to th' ship"),
+    (r"\bmy\b", "me"),
+    (r"\byou\b", "ye"),
+    (r"\bHello\b", "Ahoy"),
+    (r"\bfriends\b", "hearties"),
+    (r"\bfriend\b", "matey"),
+    (r"\bhappy\b", "jolly"),
+    (r"\blittle\b", "wee"),
+    (r"\bsmall\b", "wee"),
+    (r"\bplay\b", "plunder"),
+    (r"\bplayed\b", "plundered"),
+    (r"\bsaw\b", "spied"),
+    (r"\bits\b", "its trusty"),
 ]
 
 
@@ -203,14 +225,14 @@ def base_corpus(stories: list[str], seed: int) -> list[str]:
     the base model knows the whole vocabulary and the adapters only shift the style."""
     n = int(STYLED_SHARE * len(stories))
     extra = make_corpus(seed, n * len(STYLES))
-    styled = [style_corpus(extra[i * n:(i + 1) * n], name, seed)
-              for i, name in enumerate(STYLES)]
+    styled = [style_corpus(extra[i * n : (i + 1) * n], name, seed) for i, name in enumerate(STYLES)]
     texts = stories + [t for group in styled for t in group]
     random.Random(seed).shuffle(texts)
     return texts
 
 
 # ----------------------------------------------------------------------- tokenizer
+
 
 def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """Byte-level BPE (GPT-2 style) that prepends <s> to every encoded text."""
@@ -225,12 +247,14 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-        ),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -242,6 +266,7 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 
 # ------------------------------------------------------------------------ training
 
+
 def pack_blocks(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """Encode ``<s> text </s>`` for every text, concatenate, cut into blocks."""
     ids: list[int] = []
@@ -252,8 +277,9 @@ def pack_blocks(texts: list[str], tokenizer: PreTrainedTokenizerFast) -> torch.T
     return torch.tensor(ids[: n * BLOCK_SIZE]).view(n, BLOCK_SIZE)
 
 
-def train_lm(model: torch.nn.Module, blocks: torch.Tensor, steps: int, lr: float, seed: int,
-             label: str) -> None:
+def train_lm(
+    model: torch.nn.Module, blocks: torch.Tensor, steps: int, lr: float, seed: int, label: str
+) -> None:
     """AdamW with linear warm-up and cosine decay over ``steps`` random batches."""
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -278,12 +304,15 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, steps: int, lr: float
         sched.step()
         optim.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
-            print(f"  [{label}] step {step:4d}/{steps}  loss {loss.item():.3f}  "
-                  f"({time.perf_counter() - start:.0f}s)", flush=True)
+            print(
+                f"  [{label}] step {step:4d}/{steps}  loss {loss.item():.3f}  "
+                f"({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
     model.eval()
 
 
-def build_base(tokenizer: PreTrainedTokenizerFast, stories: list[str], out: Path) -> None:
+def build_base(tokenizer: PreTrainedTokenizerFast, texts: list[str], out: Path) -> None:
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -294,33 +323,59 @@ def build_base(tokenizer: PreTrainedTokenizerFast, stories: list[str], out: Path
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).float()
     print(f"base model: {sum(p.numel() for p in model.parameters()):,} parameters")
-    blocks = pack_blocks(stories, tokenizer)
-    print(f"base corpus: {len(stories)} stories, {blocks.numel():,} tokens")
+    blocks = pack_blocks(texts, tokenizer)
+    print(f"base corpus: {len(texts)} stories, {blocks.numel():,} tokens")
     train_lm(model, blocks, seed=SEED, label="base", **BASE_TRAINING)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)  # transformers >= 5 always writes model.safetensors
     tokenizer.save_pretrained(out)
+    # "PreTrainedTokenizerFast" loads with AutoTokenizer in transformers 4.x and 5.x alike.
+    tok_config = out / "tokenizer_config.json"
+    tok_config.write_text(
+        json.dumps(
+            {**json.loads(tok_config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"},
+            indent=2,
+        )
+        + "\n"
+    )
 
 
-def build_adapter(name: str, base_dir: Path, tokenizer: PreTrainedTokenizerFast,
-                  stories: list[str], out: Path, seed: int) -> None:
+def build_adapter(
+    name: str,
+    base_dir: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    stories: list[str],
+    out: Path,
+    seed: int,
+) -> None:
     spec = ADAPTERS[name]
     base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     lora = LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, bias="none", **spec["lora"])
     torch.manual_seed(seed)
     model = get_peft_model(base, lora)
     texts = style_corpus(stories, name, seed)
-    print(f"adapter {name}: {model.get_nb_trainable_parameters()[0]:,} trainable parameters; "
-          f"sample: {texts[0][:90]!r}")
+    print(
+        f"adapter {name}: {model.get_nb_trainable_parameters()[0]:,} trainable parameters; "
+        f"sample: {texts[0][:90]!r}"
+    )
     train_lm(model, pack_blocks(texts, tokenizer), spec["steps"], spec["lr"], seed, name)
     model.save_pretrained(out, safe_serialization=True)
+    (out / "README.md").unlink()  # peft's empty model-card template
+    # Keep adapter_config.json identical between runs and machines: no absolute path
+    # (the base is ../../base) and a fixed module order instead of a set's.
+    config_file = out / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(base_model_name_or_path=None, target_modules=sorted(config["target_modules"]))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 # ---------------------------------------------------------------------------- demo
 
+
 @torch.no_grad()
-def show_samples(out: Path, names: list[str]) -> None:
-    """Reload the saved assets and print greedy continuations per adapter."""
+def generate_samples(out: Path, names: list[str]) -> dict[str, dict[str, str]]:
+    """Reload the saved assets and return the greedy continuation of every prompt,
+    for the base model (adapters disabled) and for each adapter."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(out / "base")
     base = LlamaForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, out / "adapters" / names[0], adapter_name=names[0])
@@ -330,28 +385,40 @@ def show_samples(out: Path, names: list[str]) -> None:
 
     def complete(prompt: str) -> str:
         enc = tokenizer(prompt, return_tensors="pt")
-        ids = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        ids = model.generate(
+            **enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        return tokenizer.decode(ids[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
+    samples = {}
     for prompt in PROMPTS:
-        print(f"\nprompt: {prompt!r}")
         with model.disable_adapter():
-            print(f"  {'base':8s} -> {complete(prompt)!r}")
+            samples[prompt] = {"base": complete(prompt)}
         for name in names:
             model.set_adapter(name)
-            print(f"  {name:8s} -> {complete(prompt)!r}")
+            samples[prompt][name] = complete(prompt)
+    return samples
 
 
-# ---------------------------------------------------------------------------- main
+def print_samples(samples: dict[str, dict[str, str]]) -> None:
+    for prompt, outputs in samples.items():
+        print(f"\nprompt: {prompt!r}")
+        for name, text in outputs.items():
+            print(f"  {name:8s} -> {text!r}")
 
-def write_readme(out: Path, tokenizer: PreTrainedTokenizerFast) -> None:
-    shape = ", ".join(f"{k}={v}" for k, v in MODEL_SHAPE.items())
-    rows = "\n".join(
-        f"| `{name}` | {spec['about']} | "
-        f"`{json.dumps(spec['lora'])}` |"
+
+def write_readme(
+    out: Path, tokenizer: PreTrainedTokenizerFast, samples: dict[str, dict[str, str]]
+) -> None:
+    shape = "\n".join(f"| `{k}` | {v} |" for k, v in MODEL_SHAPE.items())
+    adapters = "\n".join(
+        f"| `{name}` | {spec['about']} | {spec['lora']['r']} | {spec['lora']['lora_alpha']} | "
+        f"{spec['lora'].get('use_rslora', False)} | {', '.join(spec['lora']['target_modules'])} |"
         for name, spec in ADAPTERS.items()
     )
+    prompt, outputs = next(iter(samples.items()))
+    sample_rows = "\n".join(f"| {name} | **{prompt}**{text} |" for name, text in outputs.items())
+    n_params = sum(t.numel() for t in load_file(out / "base" / "model.safetensors").values())
     (out / "README.md").write_text(f"""# Demo assets
 
 Small, self-made assets for examples and tests. Nothing here is downloaded: all of it is
@@ -362,38 +429,54 @@ python examples/make_demo_assets.py --out examples/assets
 ```
 
 (a few minutes on two CPU cores). The training text is a template-generated set of simple
-children's stories ("Once upon a time, there was a little cat named Tom. ...").
+children's stories ("Once upon a time, there was a small bear named Sue. ...").
 
 ## `base/`
 
-A tiny `LlamaForCausalLM` in float32 (`config.json`, `model.safetensors`) with its tokenizer
-(`tokenizer.json`, `tokenizer_config.json`): a byte-level BPE of {len(tokenizer)} tokens,
-`<s>`={tokenizer.bos_token_id} (added in front of every encoded text), `</s>`={tokenizer.eos_token_id},
-`<pad>`={tokenizer.pad_token_id}. Shape: {shape} (grouped-query attention, untied lm_head).
+A tiny `LlamaForCausalLM` in float32 (`config.json`, `model.safetensors`,
+{n_params:,} parameters) with its tokenizer (`tokenizer.json`,
+`tokenizer_config.json`): a byte-level BPE of {len(tokenizer)} tokens with `<s>`={tokenizer.bos_token_id}
+(put in front of every encoded text), `</s>`={tokenizer.eos_token_id} and `<pad>`={tokenizer.pad_token_id}.
+The base was trained on the plain stories plus a {STYLED_SHARE:.0%} share per adapter style.
+
+| config | value |
+|---|---|
+| `vocab_size` | {len(tokenizer)} |
+{shape}
 
 ## `adapters/<name>/`
 
 PEFT LoRA adapters (`adapter_config.json`, `adapter_model.safetensors`, float32,
-`task_type=CAUSAL_LM`, no dropout, no bias) trained from `base/` on rewritten stories. Each one
-visibly changes the greedy continuation of a prompt such as "Once upon a time".
+`task_type=CAUSAL_LM`, no dropout, no bias), each trained from `base/` on the stories
+rewritten in one style. `base_model_name_or_path` is left empty: the base is `../../base`.
 
-| adapter | training text | LoRA config |
-|---|---|---|
-{rows}
+| adapter | training text | r | lora_alpha | use_rslora | target_modules |
+|---|---|---|---|---|---|
+{adapters}
+
+## Greedy samples ({NEW_TOKENS} new tokens after the prompt in bold)
+
+| model | text |
+|---|---|
+{sample_rows}
 """)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "assets",
-                        help="output directory (default: examples/assets next to this script)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "assets",
+        help="output directory (default: examples/assets next to this script)",
+    )
     args = parser.parse_args()
 
     started = time.perf_counter()
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
-    random.seed(SEED)
     torch.use_deterministic_algorithms(True)
+    hf_logging.disable_progress_bar()
 
     base_dir = args.out / "base"
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -404,10 +487,12 @@ def main() -> None:
 
     build_base(tokenizer, base_corpus(stories, SEED + 100), base_dir)
     for i, name in enumerate(ADAPTERS):
-        build_adapter(name, base_dir, tokenizer, stories, args.out / "adapters" / name,
-                      seed=SEED + 1 + i)
-    write_readme(args.out, tokenizer)
-    show_samples(args.out, list(ADAPTERS))
+        build_adapter(
+            name, base_dir, tokenizer, stories, args.out / "adapters" / name, seed=SEED + 1 + i
+        )
+    samples = generate_samples(args.out, list(ADAPTERS))
+    print_samples(samples)
+    write_readme(args.out, tokenizer, samples)
     print(f"\ndone in {time.perf_counter() - started:.0f}s -> {args.out}")
 
 

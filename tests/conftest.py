@@ -102,11 +102,12 @@ def tiny(tiny_factory) -> Tiny:
 class PeftReference:
     """Per-request reference: ``transformers`` + ``peft`` with every adapter loaded."""
 
-    def __init__(self, t: Tiny) -> None:
+    def __init__(self, t: Tiny, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(t.base).eval()
+        self.device = device
+        base = AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype).to(device).eval()
         names = list(t.adapters)
         self.model = PeftModel.from_pretrained(base, t.adapters[names[0]], adapter_name=names[0]).eval()
         for name in names[1:]:
@@ -114,12 +115,12 @@ class PeftReference:
 
     @torch.no_grad()
     def logits(self, ids: list[int], adapter: str | None) -> torch.Tensor:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         if adapter is None:
             with self.model.disable_adapter():
-                return self.model(x).logits[0].float()
+                return self.model(x).logits[0].float().cpu()
         self.model.set_adapter(adapter)
-        return self.model(x).logits[0].float()
+        return self.model(x).logits[0].float().cpu()
 
     def greedy(self, ids: list[int], adapter: str | None, n: int) -> list[int]:
         ids = list(ids)

@@ -42,7 +42,8 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
         if isinstance(key, LoraBaseOnly):
             assert graph.lora_ops == frozenset(), key
         else:
-            assert graph.lora_ops == {"lora_graph.lora_shrink", "lora_graph.lora_expand_"}, key
+            kinds = sorted(op.removeprefix("lora_graph.lora_").split("_")[0] for op in graph.lora_ops)
+            assert kinds == ["expand", "shrink"], (key, graph.lora_ops)  # torch or triton kernels
 
 
 def _prefill_rows(pipe, batch, adapters):

@@ -150,14 +150,18 @@ def test_steady_state_decode_copies_no_adapter_weights(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype, tol):
-    """On CUDA, each backend: the interleaved batch against peft (relative error)."""
+def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype):
+    """On CUDA, each backend and dtype: the interleaved batch against float32 peft, with
+    an error no larger than transformers + peft's own in the same dtype on the same GPU."""
+    from conftest import PeftReference
+
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
+    same_dtype = PeftReference(tiny, dtype=dtype, device="cuda")
     pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device="cuda", max_batch_size=8, max_seq_len=64,
                          lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend))
     for name, path in tiny.adapters.items():
@@ -165,5 +169,7 @@ def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype, t
     batch = prompts(len(MIX), seed=9)
     for ids, adapter, logits in zip(batch, MIX, run_prefill(pipe, batch, MIX), strict=True):
         expected = ref.logits(ids, adapter)
-        err = (logits.float().cpu() - expected).norm() / expected.norm()
-        assert err < tol, (backend, dtype, adapter, float(err))
+        err = float((logits.float().cpu() - expected).norm() / expected.norm())
+        err_peft = float((same_dtype.logits(ids, adapter) - expected).norm() / expected.norm())
+        assert torch.isfinite(logits).all()
+        assert err <= 1.5 * err_peft + 2e-3, (backend, dtype, adapter, err, err_peft)
