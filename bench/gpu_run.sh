@@ -15,6 +15,8 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q -rs -m "gpu or compile" -k "not cpu-inductor" -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    parity)
+      python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.log" | tail -8 ;;
     kernels)
       python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     decode)

@@ -180,7 +180,11 @@ class Attention(nn.Module):
             mask = positions[:, None, :, None] >= positions[:, None, None, :]
             if c.sliding_window is not None:
                 mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < c.sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            groups = c.num_attention_heads // c.num_key_value_heads
+            if groups > 1:  # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
+                k = k[:, :, None].expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim).reshape(q.shape)
+                v = v[:, :, None].expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim).reshape(q.shape)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             # Decode: rows to cache order (cache_rows is a permutation of range(B)), attend
             # over the cache view, and back. Only activations move, never the cache.
