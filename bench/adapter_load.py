@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repository root instead of bench/ first on the path: bench/kernels.py must not shadow
+# the `kernels` package that transformers looks for
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
-from decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
+from bench.decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repository root instead of bench/ first on the path: bench/kernels.py must not shadow
+# the `kernels` package that transformers looks for
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)

@@ -22,6 +22,8 @@ for stage in "$@"; do
     decode)
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
+    precision)
+      python3 bench/precision.py 2>&1 | grep "|" | tee "$OUT/precision.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

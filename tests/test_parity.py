@@ -172,4 +172,12 @@ def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype):
         err = float((logits.float().cpu() - expected).norm() / expected.norm())
         err_peft = float((same_dtype.logits(ids, adapter) - expected).norm() / expected.norm())
         assert torch.isfinite(logits).all()
-        assert err <= 1.5 * err_peft + 2e-3, (backend, dtype, adapter, err, err_peft)
+        if dtype == torch.float32:
+            assert err < 2e-3, (backend, adapter, err)
+            continue
+        # bf16 on this stress model (B scaled x20) is noisy for peft too (bench/precision.py):
+        # within a small factor of peft's own error, and far below a missing delta's
+        assert err <= 2.5 * err_peft + 1e-2, (backend, adapter, err, err_peft)
+        if adapter is not None:
+            missing = float((ref.logits(ids, None) - expected).norm() / expected.norm())
+            assert err < 0.5 * missing, (backend, adapter, err, missing)

@@ -1,0 +1,79 @@
+"""Half-precision error of the engine against transformers + peft in the same dtype.
+
+Builds the test suite's tiny model and adapters (large B, so deltas show), and prints the
+relative error ``||logits - ref|| / ||ref||`` of each row of the interleaved batch, where
+``ref`` is float32 transformers + peft on the CPU, for: the engine per backend and device,
+and transformers + peft itself, in bfloat16.
+
+    python bench/precision.py [--dtype bfloat16|float16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+
+from conftest import (  # noqa: E402
+    ADAPTERS,
+    PeftReference,
+    Tiny,
+    make_hf_model,
+    make_peft_adapter,
+    make_pipeline,
+    prompts,
+)
+from test_parity import MIX, run_prefill  # noqa: E402
+
+from lora_graph import LoRAConfig  # noqa: E402
+from lora_graph.models import LlamaPipeline  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    root = Path(tempfile.mkdtemp())
+    make_hf_model("gqa").save_pretrained(root / "base")
+    adapters = {n: make_peft_adapter(root / "base", root / n, seed=i + 10, factor=f, **kw)
+                for i, (n, (kw, f)) in enumerate(ADAPTERS.items())}
+    tiny = Tiny("gqa", root / "base", adapters, 128)
+    ref = PeftReference(tiny)
+    batch = prompts(len(MIX), seed=9)
+    want = [ref.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)]
+    rows: dict[str, list[float]] = {}
+
+    def err(got: list[torch.Tensor]) -> list[float]:
+        return [float((g.float().cpu() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
+
+    rows[f"engine cpu {args.dtype}"] = err(run_prefill(make_pipeline(tiny, dtype=dtype), batch, MIX))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        same = PeftReference(tiny, dtype=dtype, device=device)
+        rows[f"peft {device} {args.dtype}"] = err([same.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)])
+    if torch.cuda.is_available():
+        for backend in ("torch", "triton"):
+            pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device="cuda", max_batch_size=8, max_seq_len=64,
+                                 lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend))
+            for name, path in adapters.items():
+                pipe.manager.load_adapter(str(path), name=name)
+            rows[f"engine cuda {args.dtype} {backend}"] = err(run_prefill(pipe, batch, MIX))
+        pipe = LlamaPipeline(str(tiny.base), dtype=torch.float32, device="cuda", max_batch_size=8, max_seq_len=64,
+                             lora=LoRAConfig(max_slots=4, max_rank=16, backend="torch"))
+        for name, path in adapters.items():
+            pipe.manager.load_adapter(str(path), name=name)
+        rows["engine cuda float32 torch"] = err(run_prefill(pipe, batch, MIX))
+    print("| run | " + " | ".join(str(a) for a in MIX) + " |")
+    print("|---|" + "---|" * len(MIX))
+    for name, errs in rows.items():
+        print(f"| {name} | " + " | ".join(f"{e:.4f}" for e in errs) + " |")
+
+
+if __name__ == "__main__":
+    main()
