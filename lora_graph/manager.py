@@ -105,6 +105,7 @@ class LoRAManager:
         self._adapters: dict[str, LoadedAdapter] = {}
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._running: frozenset[str] = frozenset()
+        self._unloading: set[str] = set()  # unloaded while the running batch still uses them
         self.kernels = ops.kernels(config.backend, self.device)
         self._bound = BoundInputs()
         self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
@@ -120,12 +121,12 @@ class LoRAManager:
     # ---- registry -------------------------------------------------------------------
     @property
     def loras(self) -> list[str]:
-        """The loaded adapter names."""
-        return list(self._adapters)
+        """The loaded adapter names (those being unloaded excluded)."""
+        return [n for n in self._adapters if n not in self._unloading]
 
     def is_lora(self, name: str) -> bool:
-        """Whether ``name`` is a loaded adapter."""
-        return name in self._adapters
+        """Whether ``name`` is a loaded adapter (one being unloaded is not)."""
+        return name in self._adapters and name not in self._unloading
 
     def is_active_lora(self, name: str) -> bool:
         """Whether ``name`` holds a device slot."""
@@ -175,6 +176,7 @@ class LoRAManager:
             raise AdapterError(f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected {expected[:12]}…")
         old = self._adapters.get(name)
         if old is not None and old.digest == digest:
+            self._unloading.discard(name)
             return LoRAStatus.UNCHANGED
         image, rank = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
         if pin:
@@ -183,6 +185,7 @@ class LoRAManager:
                 raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
         if old is not None:
             self._release(name)
+        self._unloading.discard(name)
         self._adapters[name] = LoadedAdapter(name, src, digest, rank, pin, self._to_host(image))
         self._touch_host(name)
         if pin:
@@ -190,16 +193,25 @@ class LoRAManager:
         return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
 
     def unload_adapter(self, name: str) -> LoRAStatus:
-        """Remove ``name`` from the registry and free its slot.
+        """Stop serving ``name``: new requests naming it are refused at once; if the running
+        batch still uses it, its requests finish on it and its slot and host image are
+        freed at the first batch that no longer names it.
 
         Raises:
             KeyError: if ``name`` is not loaded.
         """
-        self.adapter(name)
-        self._release(name)
-        del self._adapters[name]
-        self._host_lru.pop(name, None)
+        if not self.is_lora(name):
+            raise KeyError(f"adapter {name!r} is not loaded")
+        self._unloading.add(name)
+        self._purge_unloaded()
         return LoRAStatus.UNLOADED
+
+    def _purge_unloaded(self) -> None:
+        for name in [n for n in self._unloading if n not in self._running]:
+            self._unloading.discard(name)
+            self._release(name)
+            del self._adapters[name]
+            self._host_lru.pop(name, None)
 
     def _release(self, name: str) -> None:
         slot = self._active.pop(name, None)
@@ -277,6 +289,7 @@ class LoRAManager:
         if len(names) > self.config.max_slots:
             raise ValueError(f"a batch names {len(names)} distinct adapters but there are {self.config.max_slots} slots")
         self._running = frozenset(names)
+        self._purge_unloaded()
         for name in names:
             self.activate_adapter(name)
 
@@ -443,7 +456,7 @@ class LoRAWrapper(nn.Module):
     def forward(self, *args: Any, lora_inputs: tuple[Tensor, ...] = ()) -> Any:
         self.manager.bind_inputs(self, lora_inputs)
         out = self.model(*args)
-        self.manager._bound.clear()
+        self.manager.bind_inputs(self, ())
         return out
 
 

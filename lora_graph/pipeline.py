@@ -237,10 +237,11 @@ class PipelineModelWithKVCache(abc.ABC):
         row of ``tokens``. A step where no row names an adapter gets no LoRA inputs.
         """
         lora_inputs: tuple[Tensor, ...] = ()
+        if self.manager is not None:
+            self.manager.activate_batch(rows)
         if any(r.adapter is not None for r in rows):
             if self.manager is None:
                 raise ValueError("a row names an adapter but LoRA is not enabled")
-            self.manager.activate_batch(rows)
             seq = tokens.shape[1]
             offsets = [i * seq for i in range(len(rows) + 1)]
             lora_inputs = self.manager.input_buffers(rows, offsets)

@@ -187,3 +187,27 @@ def test_bin_and_bare_safetensors_formats(tiny, tmp_path):
     for name, path in (("bin", bin_dir), ("bare", bare)):
         pipe.manager.load_adapter(str(path), name=name)
         torch.testing.assert_close(run_prefill(pipe, batch, [name])[0], expected)
+
+
+def test_unload_with_requests_in_flight(tiny, reference_factory):
+    """In-flight requests finish on the adapter; new ones get an error; then the slot is free."""
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny)
+    engine = LLMEngine(pipe)
+    ids = prompts(2, seed=25)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.add_request(Request("b", ids[0], "B", sampling))
+    engine.step()
+    assert pipe.manager.unload_adapter("B") == LoRAStatus.UNLOADED
+    assert not pipe.manager.is_lora("B") and "B" not in pipe.manager.loras
+    engine.add_request(Request("late", ids[1], "B", sampling))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["b"].token_ids == ref.greedy(ids[0], "B", 8)
+    assert "unknown adapter 'B'" in engine.finished["late"].error
+    LLMEngine(pipe).generate([Request("base", ids[1], None, SamplingParams(max_new_tokens=2))])
+    assert not pipe.manager.is_active_lora("B")
+    with pytest.raises(KeyError):
+        pipe.manager.unload_adapter("B")
