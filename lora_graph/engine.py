@@ -130,6 +130,21 @@ class LLMEngine:
             generator.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         self.waiting.append(_Sequence(request, -1, generator, list(request.prompt_token_ids)))
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a waiting or running request: it finishes with ``error="aborted"`` (and the
+        tokens it had), its KV cache row is freed, and its adapter is no longer held by it.
+        Returns False if no such request is unfinished."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request.id == request_id:
+                    queue.remove(seq)
+                    if seq.cache_row >= 0:
+                        self._free_rows.append(seq.cache_row)
+                        self._free_rows.sort()
+                    self.finished[request_id] = RequestOutput(request_id, seq.adapter, seq.generated, None, "aborted")
+                    return True
+        return False
+
     def _validate(self, request: Request) -> None:
         manager = self.pipeline.manager
         LoraReqConfig(request.adapter).validate(manager.loras if manager is not None else ())

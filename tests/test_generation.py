@@ -87,3 +87,21 @@ def test_bfloat16_and_float16_follow_float32(tiny):
         got = run_prefill(make_pipeline(tiny, dtype=dtype), batch, MIX)
         for g, w in zip(got, want, strict=True):
             assert (g.float() - w).norm() / w.norm() < 3e-2, dtype
+
+
+def test_abort_frees_the_row_and_the_rest_run_on(tiny, reference_factory):
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=2, max_slots=1)
+    engine = LLMEngine(pipe)
+    ids = prompts(3, seed=45)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for i, adapter in enumerate(["A", "A", "B"]):
+        engine.add_request(Request(str(i), ids[i], adapter, sampling))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("0") and not engine.abort_request("0")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["0"].error == "aborted" and len(engine.finished["0"].token_ids) == 2
+    assert engine.finished["1"].token_ids == ref.greedy(ids[1], "A", 6)
+    assert engine.finished["2"].token_ids == ref.greedy(ids[2], "B", 6)  # B took the one slot after A's requests
