@@ -20,6 +20,8 @@ target's A block starts at ``a_offset`` in every slot, shaped
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -132,27 +134,27 @@ def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
     return None
 
 
-def kernels(backend: str, device: torch.device) -> tuple[object, object]:
-    """The ``(shrink, expand_)`` ops of a backend: ``"torch"`` (the reference above),
-    ``"triton"`` (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is
-    installed, else the reference).
+def kernels(backend: str, device: torch.device) -> tuple[Any, Any, Any]:
+    """The ``(shrink, expand_, apply_)`` ops of a backend; ``apply_`` (shrink and expand in
+    one launch, or None) is preferred where present. ``"torch"``: the reference above;
+    ``"triton"``: :mod:`lora_graph.triton_ops`; ``"auto"``: Triton on CUDA when it is
+    installed, else the reference.
 
     Raises:
         ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
             (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
     """
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return lora_shrink, lora_expand_
+        return lora_shrink, lora_expand_, None
     from lora_graph import triton_ops
 
+    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, triton_ops.lora_apply_triton_)
     if backend == "auto":
-        if device.type == "cuda" and triton_ops.HAVE_TRITON:
-            return triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_
-        return lora_shrink, lora_expand_
+        return triton_kernels if triton_ops.HAVE_TRITON else (lora_shrink, lora_expand_, None)
     if backend == "triton":
         if not triton_ops.HAVE_TRITON:
             raise ValueError("backend='triton' but Triton is not installed")
         if device.type != "cuda" and not triton_ops.interpreted():
             raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
-        return triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_
+        return triton_kernels
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

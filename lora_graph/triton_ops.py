@@ -57,7 +57,17 @@ Kernel design (no host synchronisation; the grid depends only on shapes):
   spill registers at these tiles); expand multiplies fp32 ``h`` by B upcast to fp32
   (``tf32`` when ``y`` is 16-bit: its error is well below ``y``'s rounding; ``tf32x3``
   when ``y`` is fp32).
-- The only per-call allocation is the output ``h``. Tiles, ``SPLIT_K`` and the program
+- fused (``lora_apply_triton_``, decode: ``N <= FUSED_MAX_ROWS = 64``): one launch, no
+  memset, no allocation. An item is ``(row tile, column block of the fused output)``; it
+  finds its slice as expand does, computes its rows' ``h`` for that slice in fp32
+  registers (a K loop over x and the slice's ``[R, K]`` A rows, which the slice's other
+  column blocks re-read from L2), then walks its ``BLOCK_N`` columns ``SUB_N`` at a time:
+  ``y += h @ B.T`` as in expand. Default tiles (:func:`fused_config`): 16-row ``tl.dot``
+  tiles (the only loads Triton pipelines with ``cp.async``), ``BLOCK_K`` 256 (16-bit) /
+  64 (fp32), ``BLOCK_N`` 64..256 aiming at about one busy item per SM; broadcast-reduce
+  tiles for 1..4 rows exist (``FUSED_BROADCAST_MAX_ROWS``, off by default). Above
+  ``FUSED_MAX_ROWS`` rows the op runs shrink + expand (x would be re-read per column block).
+- The only per-call allocation of the shrink + expand pair is the output ``h``. Tiles, ``SPLIT_K`` and the program
   cap come from :func:`shrink_config` / :func:`expand_config` (pure functions of shapes,
   cached); :func:`launch_shrink` / :func:`launch_expand` take an explicit config too.
   Every variant of these heuristics compiles for sm_90 without register spills.
@@ -92,11 +102,17 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "HAVE_TRITON",
     "ExpandConfig",
+    "FUSED_BROADCAST_MAX_ROWS",
+    "FUSED_MAX_ROWS",
+    "FusedConfig",
     "ShrinkConfig",
     "expand_config",
+    "fused_config",
     "interpreted",
     "launch_expand",
+    "launch_fused",
     "launch_shrink",
+    "lora_apply_triton_",
     "lora_expand_triton_",
     "lora_shrink_triton",
     "shrink_config",
@@ -296,6 +312,123 @@ if HAVE_TRITON:
                              R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
                              BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
 
+    @triton.jit
+    def _fused_tile(
+        y_ptr, x_ptr, a_ptr, b_ptr, slot, row0, hi, pid_n, K,
+        stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
+        stride_ym, stride_yn, stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        SUB_N: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        SHRINK_PRECISION: tl.constexpr, EXPAND_PRECISION: tl.constexpr,
+    ):
+        # which slice column block pid_n is in (constexpr block starts, no table in memory)
+        sl = pid_n * 0
+        blk0 = pid_n * 0 + SLICE_BLOCK0[0]
+        col0 = pid_n * 0 + SLICE_COL0[0]
+        width = pid_n * 0 + SLICE_WIDTH[0]
+        for i in tl.static_range(1, NUM_SLICES):
+            hit = pid_n >= SLICE_BLOCK0[i]
+            sl = tl.where(hit, i, sl)
+            blk0 = tl.where(hit, SLICE_BLOCK0[i], blk0)
+            col0 = tl.where(hit, SLICE_COL0[i], col0)
+            width = tl.where(hit, SLICE_WIDTH[i], width)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        rows = offs_m.to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        offs_k = tl.arange(0, BLOCK_K)
+        slot64 = slot.to(tl.int64)
+        a_rows = a_ptr + slot64 * stride_as + (sl * R + offs_r).to(tl.int64) * stride_aj  # [BLOCK_R]
+
+        # shrink: h[t, r] = sum_k x[t, k] * A[slot, sl*R + r, k], fp32, in registers
+        if USE_DOT:
+            x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+            a_ptrs = a_rows[None, :] + offs_k[:, None] * stride_ak  # [BLOCK_K, BLOCK_R]
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for kk in range(0, K, BLOCK_K):
+                mask_k = offs_k < K - kk
+                xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+                if CAST_F32:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(xt, at, acc, input_precision=SHRINK_PRECISION)
+                x_ptrs += BLOCK_K * stride_xk
+                a_ptrs += BLOCK_K * stride_ak
+            h = acc
+        else:
+            # broadcast multiply into a [BLOCK_M, BLOCK_R, BLOCK_K] fp32 accumulator (one
+            # 3-D layout, no conversions in the loop); one reduction over k at the end
+            x_ptrs = x_ptr + rows[:, None, None] * stride_xm + offs_k[None, None, :] * stride_xk  # [BM, 1, BK]
+            a_ptrs = a_rows[None, :, None] + offs_k[None, None, :] * stride_ak  # [1, BR, BK]
+            acc3 = tl.zeros((BLOCK_M, BLOCK_R, BLOCK_K), dtype=tl.float32)
+            for kk in range(0, K, BLOCK_K):
+                mask_k = offs_k < K - kk
+                xt = tl.load(x_ptrs, mask=mask_m[:, None, None] & mask_k[None, None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=mask_r[None, :, None] & mask_k[None, None, :], other=0.0)
+                acc3 += xt.to(tl.float32) * at.to(tl.float32)
+                x_ptrs += BLOCK_K * stride_xk
+                a_ptrs += BLOCK_K * stride_ak
+            h = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_R]
+
+        # expand: y[t, c] += sum_r h[t, r] * B[slot, c, r] over this block's columns, SUB_N at a time
+        b_rows = b_ptr + slot64 * stride_bs
+        y_rows = y_ptr + rows[:, None] * stride_ym
+        for c in range(0, BLOCK_N, SUB_N):
+            offs_c = (pid_n - blk0) * BLOCK_N + c + tl.arange(0, SUB_N)
+            mask_c = offs_c < width
+            cols = (col0 + offs_c).to(tl.int64)
+            b_ptrs = b_rows + cols[:, None] * stride_bn + offs_r[None, :] * stride_br  # [SUB_N, BLOCK_R]
+            bt = tl.load(b_ptrs, mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+            if USE_DOT:
+                delta = tl.dot(h, tl.trans(bt), input_precision=EXPAND_PRECISION)
+            else:
+                delta = tl.sum(h[:, None, :] * bt[None, :, :], axis=2)
+            y_ptrs = y_rows + cols[None, :] * stride_yn
+            mask = mask_m[:, None] & mask_c[None, :]
+            yt = tl.load(y_ptrs, mask=mask, other=0.0)
+            out = yt.to(tl.float32) + delta
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    def _fused_kernel(
+        y_ptr, x_ptr, a_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, K, G, num_slots, n_items,
+        stride_xm, stride_xk,
+        stride_as, stride_aj, stride_ak,
+        stride_ym, stride_yn,
+        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        SUB_N: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        SHRINK_PRECISION: tl.constexpr, EXPAND_PRECISION: tl.constexpr,
+    ):
+        """Semantics: for every work item ``(row tile, column block)`` this program owns,
+        ``h = x[rows] @ A[slot, s*R:(s+1)*R].T`` (fp32, registers; ``s`` the column block's
+        slice) then ``y[rows, cols] = cast(float(y[rows, cols]) + h @ B[slot, cols].T)``.
+
+        x ``[N, K]``; A ``[num_slots, S*R, K]``; y ``[N, out]``; B ``[num_slots, out, R]``
+        (strided pool views). Column blocks and items are numbered as in ``_expand_kernel``.
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // N_COL_BLOCKS
+            pid_n = item % N_COL_BLOCKS
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                _fused_tile(y_ptr, x_ptr, a_ptr, b_ptr, slot, row0, hi, pid_n, K,
+                            stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
+                            stride_ym, stride_yn, stride_bs, stride_bn, stride_br,
+                            R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, SUB_N, USE_DOT, CAST_F32,
+                            SHRINK_PRECISION, EXPAND_PRECISION)
+
 
 _INTERPRETED = HAVE_TRITON and not isinstance(_shrink_kernel, triton.runtime.JITFunction)
 
@@ -430,6 +563,76 @@ def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2,
     block_n = min(block_n, max(16, _next_pow2(max_width)))
     return ExpandConfig(block_m, block_n, block_r, num_warps=8 if block_m * block_n >= 4096 else 4,
                         max_programs=4 * num_sms if n <= 64 else 0)
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Tile sizes of the fused shrink + expand kernel: ``block_n`` output columns per work
+    item (a column block never straddles a slice), walked ``sub_n`` at a time in the
+    expand; ``block_k`` the shrink's K step; ``block_r`` covers ``max_rank``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    block_r: int
+    sub_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= 16
+
+
+# Row counts up to which :func:`lora_apply_triton_` runs the fused kernel; above it, the
+# shrink + expand pair (each fused work item re-reads its rows of x once per column
+# block, which only pays while x is tiny and the launches dominate).
+FUSED_MAX_ROWS = 64
+
+
+# Row counts up to which :func:`fused_config` picks broadcast-reduce tiles (``BLOCK_M =
+# next_pow2(N)``, no ``tl.dot``) instead of 16-row ``tl.dot`` tiles. 0: never. Compiled for
+# sm_90, Triton software-pipelines (``cp.async``, ``num_stages`` deep) only the loads that
+# feed a ``tl.dot``; the broadcast path's A loads are issued one K step at a time, so each
+# step waits a full L2 round trip. A 16-row dot tile with masked rows costs no extra
+# memory traffic (masked loads move nothing) and its MMA work is negligible.
+FUSED_BROADCAST_MAX_ROWS = 0
+
+
+@functools.lru_cache(maxsize=1024)
+def fused_config(n: int, k: int, out_features: int, max_width: int, max_rank: int, g: int,
+                 elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS, broadcast_max_rows: int | None = None) -> FusedConfig:
+    """Heuristic tiles for the fused kernel with ``N = n`` rows, ``K = k``, ``out_features``
+    output columns (widest slice ``max_width``), ``G = g`` routing groups.
+
+    ``N <= broadcast_max_rows`` (default :data:`FUSED_BROADCAST_MAX_ROWS`): broadcast-reduce
+    tiles (``BLOCK_M = next_pow2(N)``, a ``[BLOCK_M, BLOCK_R, BLOCK_K]`` fp32 accumulator
+    of at most 8192 entries); else 16-row ``tl.dot`` tiles with ``BLOCK_K = 256`` (16-bit)
+    / 64 (fp32) and a 4 / 3 stage ``cp.async`` pipeline. ``BLOCK_N``: every work item
+    re-reads its slice's ``R x K`` A block (from L2), so wider blocks mean less traffic and
+    fewer programs; aim at about ``num_sms`` busy items for ``min(N, G)`` distinct groups,
+    within ``[64, 256]`` columns. (Every default variant compiles for sm_90 without spills.)
+    """
+    if broadcast_max_rows is None:
+        broadcast_max_rows = FUSED_BROADCAST_MAX_ROWS
+    block_r = max(16, _next_pow2(max_rank))
+    groups = max(1, min(n, g))
+    block_n = _next_pow2(max(1, _cdiv(out_features * groups, num_sms)))
+    block_n = max(64, min(256, block_n))
+    block_n = min(block_n, max(16, _next_pow2(max_width)))
+    k_cap = max(32, _next_pow2(k))  # no K step wider than K itself
+    if n <= min(4, broadcast_max_rows):
+        block_m = _next_pow2(n)
+        block_k = min(k_cap, max(32, min(512, 8192 // (block_m * block_r))))
+        sub_n = max(16, min(block_n, 4096 // (block_m * block_r)))
+        num_stages = 2
+    else:
+        block_m = 16
+        block_k = min(k_cap, 64 if elt_bytes >= 4 else 256)
+        sub_n = min(block_n, 64)
+        num_stages = 3 if elt_bytes >= 4 else 4
+    return FusedConfig(block_m, block_n, block_k, block_r, sub_n, num_warps=4, num_stages=num_stages,
+                       max_programs=4 * num_sms)
 
 
 def _num_tiles(n: int, g: int, block_m: int) -> int:
@@ -569,6 +772,60 @@ def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], 
         )
 
 
+def launch_fused(y: Tensor, x: Tensor, a: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
+                 grouped_offsets: Tensor, end: Tensor, max_rank: int, config: FusedConfig | None = None) -> None:
+    """Semantics: ``y[t, slice_s] += (x[t] @ a[slot(t), s*R:(s+1)*R].T) @ b[slot(t), slice_s].T``
+    for rows ``t < end``, in one launch, with ``h`` kept in fp32 registers.
+
+    Args:
+        y: ``[N, sum(out_slices)]`` float32 / bfloat16 / float16, updated in place (only the
+            rows that get a delta are written).
+        x: ``[N, K]`` activations.
+        a: ``[num_slots, S * max_rank, K]`` strided pool view of the A blocks.
+        b: ``[num_slots, sum(out_slices), max_rank]`` strided pool view of the B blocks.
+        out_slices: the width of each slice (``S`` entries).
+        lora_ids, grouped_offsets, end: the routing triple.
+        max_rank: ``R``.
+        config: tiles; :func:`fused_config` when None.
+    """
+    _require_triton()
+    n, k = x.shape
+    num_slots, sr, k_a = a.shape
+    num_slots_b, out_features, r_b = b.shape
+    g = lora_ids.numel()
+    if n == 0 or g == 0:
+        return
+    num_slices = len(out_slices)
+    assert k_a == k and sr == num_slices * max_rank and r_b == max_rank and num_slots_b == num_slots
+    assert y.shape == (n, out_features) and sum(out_slices) == out_features
+    _check_devices(y, x, a, b, lora_ids, grouped_offsets, end)
+    cfg = config or fused_config(n, k, out_features, max(out_slices), max_rank, g, x.element_size(),
+                                 _num_sms(x.device))
+    # as in launch_shrink: exact fp32 products for fp32 / mixed operands and for bf16 under
+    # the interpreter (numpy has no bfloat16); compiled bf16/fp16 tiles go to the MMA as they are
+    f32 = (x.dtype != a.dtype or x.dtype == torch.float32
+           or (x.dtype == torch.bfloat16 and interpreted()))
+    blk0, col0, widths, n_blocks = _slice_meta(tuple(out_slices), cfg.block_n)
+    n_items = _num_tiles(n, g, cfg.block_m) * n_blocks
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
+    with _device_guard(x):
+        _fused_kernel[grid](
+            y, x, a, b, lora_ids, grouped_offsets, end,
+            n, k, g, num_slots, n_items,
+            x.stride(0), x.stride(1),
+            a.stride(0), a.stride(1), a.stride(2),
+            y.stride(0), y.stride(1),
+            b.stride(0), b.stride(1), b.stride(2),
+            R=max_rank, G_POW2=max(16, _next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
+            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+            SUB_N=cfg.sub_n, USE_DOT=cfg.use_dot, CAST_F32=f32,
+            SHRINK_PRECISION="tf32x3" if f32 else "tf32",
+            EXPAND_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
 # --------------------------------------------------------------------------------------
 # custom ops
 # --------------------------------------------------------------------------------------
@@ -651,4 +908,58 @@ def lora_expand_triton_(
 
 @lora_expand_triton_.register_fake
 def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
+    return None
+
+
+@torch.library.custom_op("lora_graph::lora_apply_triton_", mutates_args=("y",))
+def lora_apply_triton_(
+    y: Tensor,
+    x: Tensor,
+    a_slots: list[Tensor],
+    b_slots: list[Tensor],
+    a_offset: int,
+    b_offset: int,
+    num_slices: int,
+    max_rank: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> None:
+    """Semantics: ``h = lora_shrink(x, a_slots, a_offset, num_slices, max_rank, routing)``
+    then ``lora_expand_(y, h, b_slots, b_offset, out_slices, routing)``: for rows ``t < end``,
+    ``y[t, slice_s] += (x[t] @ A[slot(t), s].T) @ B[slot(t), slice_s].T``.
+
+    For ``N <= FUSED_MAX_ROWS`` rows (decode) one launch of the fused kernel, with no
+    memset and no allocation (``h`` lives in registers); for more rows (prefill) the
+    shrink + expand pair (:func:`launch_shrink` into a zeroed fp32 ``h``, then
+    :func:`launch_expand`). The choice depends on ``x.shape[0]`` only (static per graph).
+
+    Args:
+        y: ``[N, sum(out_slices)]`` base output (float32, bfloat16 or float16), updated in
+            place; rows at or after ``end`` (and rows of slot 0 / padding groups) are left
+            bit-for-bit unchanged.
+        x: ``[N, in_features]`` activations.
+        a_slots, b_slots: the slot stacks holding the A and B blocks (views of one pool each).
+        a_offset, b_offset: the A block's offset in every ``a_slots`` slot
+            (``[num_slices, max_rank, in_features]``), the B block's in every ``b_slots`` slot
+            (``[sum(out_slices), max_rank]``).
+        num_slices, max_rank: ``S``, ``R``.
+        out_slices: the width of each slice.
+        lora_ids, grouped_offsets, end: the routing triple.
+    """
+    _require_triton()
+    n, in_features = x.shape
+    a = slot_pool_view(a_slots, a_offset, (num_slices * max_rank, in_features))
+    b = slot_pool_view(b_slots, b_offset, (sum(out_slices), max_rank))
+    if n <= FUSED_MAX_ROWS:
+        launch_fused(y, x, a, b, tuple(out_slices), lora_ids, grouped_offsets, end, max_rank)
+    else:
+        h = torch.zeros((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+        launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+        launch_expand(y, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+
+
+@lora_apply_triton_.register_fake
+def _(y, x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids, grouped_offsets, end):
     return None

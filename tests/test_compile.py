@@ -42,8 +42,8 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
         if isinstance(key, LoraBaseOnly):
             assert graph.lora_ops == frozenset(), key
         else:
-            kinds = sorted(op.removeprefix("lora_graph.lora_").split("_")[0] for op in graph.lora_ops)
-            assert kinds == ["expand", "shrink"], (key, graph.lora_ops)  # torch or triton kernels
+            kinds = {op.removeprefix("lora_graph.lora_").split("_")[0] for op in graph.lora_ops}
+            assert kinds in ({"shrink", "expand"}, {"apply"}), (key, graph.lora_ops)  # a pair, or one fused op
 
 
 def _prefill_rows(pipe, batch, adapters):
