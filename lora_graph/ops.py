@@ -136,7 +136,7 @@ def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
 
 def kernels(backend: str, device: torch.device) -> tuple[Any, Any, Any]:
     """The ``(shrink, expand_, apply_)`` ops of a backend; ``apply_`` (shrink and expand in
-    one launch, or None) is preferred where present. ``"torch"``: the reference above;
+    one launch) is used where it is not None. ``"torch"``: the reference above;
     ``"triton"``: :mod:`lora_graph.triton_ops`; ``"auto"``: Triton on CUDA when it is
     installed, else the reference.
 
@@ -148,7 +148,9 @@ def kernels(backend: str, device: torch.device) -> tuple[Any, Any, Any]:
         return lora_shrink, lora_expand_, None
     from lora_graph import triton_ops
 
-    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, triton_ops.lora_apply_triton_)
+    # The fused lora_apply_triton_ (one launch) measured slower than the pair on the H200
+    # (bench/RESULTS.md: 11-30 us against 7-9 us a target at decode), so the pair serves.
+    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, None)
     if backend == "auto":
         return triton_kernels if triton_ops.HAVE_TRITON else (lora_shrink, lora_expand_, None)
     if backend == "triton":
