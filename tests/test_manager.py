@@ -211,3 +211,27 @@ def test_unload_with_requests_in_flight(tiny, reference_factory):
     assert not pipe.manager.is_active_lora("B")
     with pytest.raises(KeyError):
         pipe.manager.unload_adapter("B")
+
+
+def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatch):
+    """A model and an adapter named by hub repo id load offline from the hub cache."""
+    import huggingface_hub.constants as hub
+
+    cache = tmp_path / "hub"
+    for repo, src in (("org/tiny-base", tiny.base), ("org/tiny-lora", tiny.adapters["B"])):
+        root = cache / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(src, root / "snapshots" / ("0" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    pipe = LlamaPipeline("org/tiny-base", max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16))
+    pipe.manager.load_adapter("org/tiny-lora", name="B")
+    local = make_pipeline(tiny, load=("B",))
+    batch = prompts(1, seed=26)
+    torch.testing.assert_close(run_prefill(pipe, batch, ["B"])[0], run_prefill(local, batch, ["B"])[0])
+    with pytest.raises(AdapterError, match="org/missing"):
+        pipe.manager.load_adapter("org/missing", name="m")
