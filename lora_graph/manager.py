@@ -116,6 +116,8 @@ class LoRAManager:
         self._offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
         self._end = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._staging = torch.zeros(2 * config.max_slots + 2, dtype=torch.int32, pin_memory=pin)
+        # the last non-blocking copy out of the staging buffer: it must land before a refill
+        self._staged = torch.cuda.Event() if pin else None
         self.slot_loads = 0  # weight copies into slots; a steady-state step makes none
 
     # ---- registry -------------------------------------------------------------------
@@ -358,6 +360,8 @@ class LoRAManager:
             end = int(input_row_offsets[i + 1])
             offsets[-1] = end
         staging = self._staging
+        if self._staged is not None:
+            self._staged.synchronize()
         staging.zero_()
         staging[: len(ids)] = torch.tensor(ids, dtype=torch.int32)
         staging[max_groups : max_groups + len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
@@ -366,6 +370,8 @@ class LoRAManager:
         self._lora_ids.copy_(staging[:max_groups], non_blocking=True)
         self._offsets.copy_(staging[max_groups : 2 * max_groups + 1], non_blocking=True)
         self._end.copy_(staging[2 * max_groups + 1 :], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
         return self._lora_ids, self._offsets, self._end
 
     def input_buffers(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
