@@ -114,7 +114,10 @@ def _load_tensors(weights_path: str) -> dict[str, Tensor]:
         return _load_bin(weights_path)
     from safetensors.torch import load_file
 
-    return load_file(weights_path)
+    try:
+        return load_file(weights_path)
+    except Exception as e:  # safetensors raises its own error types for a bad file
+        raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from e
 
 
 def parse_lora_key(key: str) -> tuple[str, str] | None:

@@ -235,3 +235,19 @@ def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatc
     torch.testing.assert_close(run_prefill(pipe, batch, ["B"])[0], run_prefill(local, batch, ["B"])[0])
     with pytest.raises(AdapterError, match="org/missing"):
         pipe.manager.load_adapter("org/missing", name="m")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}"])
+def test_corrupt_weights_file_is_refused(tiny, tmp_path, content):
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    shutil.copy(tiny.adapters["A"] / "adapter_config.json", bad)
+    (bad / "adapter_model.safetensors").write_bytes(content)
+    pipe = make_pipeline(tiny, load=())
+    with pytest.raises(AdapterError, match="not a readable safetensors file"):
+        pipe.manager.load_adapter(str(bad), name="bad")
+    bin_dir = tmp_path / "corrupt_bin"
+    bin_dir.mkdir()
+    (bin_dir / "adapter_model.bin").write_bytes(content)
+    with pytest.raises(AdapterError, match="not a readable torch checkpoint"):
+        pipe.manager.load_adapter(str(bin_dir), name="bad_bin")
