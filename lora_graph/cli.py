@@ -51,7 +51,10 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {e}") from e
     if compile_mode != "none":
-        pipeline.enable_compile(compile_mode)
+        try:
+            pipeline.enable_compile(compile_mode)
+        except ValueError as e:
+            raise CliError(f"--compile {compile_mode}: {e}") from e
     for spec in loras:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:

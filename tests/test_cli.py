@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+import torch
 from conftest import prompts
 
 from lora_graph.cli import main
@@ -61,3 +63,11 @@ def test_missing_adapter_path_exits_2(tiny, capsys):
     assert main(argv, stdout=io.StringIO()) == 2
     err = capsys.readouterr().err
     assert "'x'" in err and "no such file" in err
+
+
+def test_cudagraph_without_cuda_exits_2(tiny, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--compile", "cudagraph", "--prompt", "hi"]
+    assert main(argv, stdout=io.StringIO()) == 2
+    assert "cudagraph mode needs a CUDA device" in capsys.readouterr().err
