@@ -31,7 +31,7 @@ def _assets_dir() -> Path:
 
 
 def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank: int, dtype: str, device: str,
-                 max_batch_size: int, max_seq_len: int, compile_mode: str = "none") -> tuple[LLMEngine, Any]:
+                 max_batch_size: int, max_seq_len: int | None, compile_mode: str = "none") -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
 
     Raises:
@@ -42,10 +42,21 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
     from lora_graph.models import pipeline_class
     from lora_graph.pipeline import resolve_model_path
 
+    for flag, value, least in (("--max-loras", max_loras, 1), ("--max-lora-rank", max_lora_rank, 1),
+                               ("--max-batch-size", max_batch_size, 1), ("--max-seq-len", max_seq_len or 2, 2)):
+        if value < least:
+            raise CliError(f"{flag} must be at least {least}, got {value}")
+    names = [spec.partition("=")[0] for spec in loras]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
+
     try:
         model_dir = resolve_model_path(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         cls = pipeline_class(hf_config.model_type)
+        if max_seq_len is None:
+            max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
         lora = LoRAConfig(max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))) if loras else None
         pipeline = cls(model_dir, dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, lora=lora)
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -62,7 +73,7 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
         try:
             pipeline.manager.load_adapter(path, name=name)
         except (AdapterError, NoFreeSlotError) as e:
-            raise CliError(f"adapter {name!r}: {e}") from e
+            raise CliError(str(e) if f"{name!r}" in str(e) else f"adapter {name!r}: {e}") from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
@@ -81,10 +92,11 @@ def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> tuple[list[Request], dict[str, str]]:
-    """Parse a JSON-lines requests file; lines that are not valid requests become errors."""
-    requests: list[Request] = []
-    errors: dict[str, str] = {}
+def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> list[tuple[Request, str | None]]:
+    """Parse a JSON-lines requests file into ``(request, error)`` entries in file order;
+    a line that is not a valid request, or repeats an earlier id, carries an error."""
+    entries: list[tuple[Request, str | None]] = []
+    seen: set[str] = set()
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -98,11 +110,13 @@ def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> tuple
             if not isinstance(obj, dict):
                 raise ValueError("a request must be a JSON object")
             rid = str(obj.get("id", rid))
-            requests.append(_request_from_json(obj, rid, tokenizer, defaults))
+            if rid in seen:
+                raise ValueError(f"id {rid!r} repeats an earlier request's id")
+            entries.append((_request_from_json(obj, rid, tokenizer, defaults), None))
         except (ValueError, TypeError) as e:
-            errors[rid] = f"line {n}: {e}"
-            requests.append(Request(rid, [], None))
-    return requests, errors
+            entries.append((Request(rid, [], None), f"line {n}: {e}"))
+        seen.add(rid)
+    return entries
 
 
 def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams) -> Request:
@@ -145,16 +159,16 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     if args.requests:
-        requests, errors = _read_requests(args.requests, tokenizer, defaults)
+        entries = _read_requests(args.requests, tokenizer, defaults)
     else:
         if tokenizer is None:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
-        requests, errors = [Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults)], {}
-    outputs = engine.generate([r for r in requests if r.id not in errors]) if requests else []
+        entries = [(Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), None)]
+    outputs = engine.generate([r for r, error in entries if error is None])
     by_id = {o.id: o for o in outputs}
     lines = []
-    for r in requests:
-        out = by_id.get(r.id) or RequestOutput(r.id, r.adapter, error=errors.get(r.id))
+    for r, error in entries:
+        out = RequestOutput(r.id, r.adapter, error=error) if error is not None else by_id[r.id]
         lines.append(json.dumps(_output_json(out, tokenizer)))
     if args.output:
         Path(args.output).write_text("".join(line + "\n" for line in lines))
@@ -208,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-loras", type=int, default=4, help="device slots: adapters resident at once (default: 4)")
     gen.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)")
     gen.add_argument("--max-batch-size", type=int, default=16, help="requests in flight at once (default: 16)")
-    gen.add_argument("--max-seq-len", type=int, default=512, help="prompt + generated tokens per request (default: 512)")
+    gen.add_argument("--max-seq-len", type=int, default=None,
+                     help="prompt + generated tokens per request (default: 512, or the model's max_position_embeddings if smaller)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (with --adapter to choose its adapter)")
     src.add_argument("--requests", metavar="FILE.jsonl",

@@ -126,6 +126,10 @@ class PipelineModelWithKVCache(abc.ABC):
                  weights: dict[str, Tensor] | None = None) -> None:
         from transformers import AutoConfig
 
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.model_dir = resolve_model_path(model_path)
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
@@ -133,6 +137,9 @@ class PipelineModelWithKVCache(abc.ABC):
         self.max_seq_len = max_seq_len
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None and max_seq_len > limit:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}")
         self.manager: LoRAManager | None = None
         if lora is not None:
             self.manager = LoRAManager(lora, targets=self.lora_targets(), module_map=self.lora_module_map,

@@ -71,3 +71,29 @@ def test_cudagraph_without_cuda_exits_2(tiny, capsys):
     argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--compile", "cudagraph", "--prompt", "hi"]
     assert main(argv, stdout=io.StringIO()) == 2
     assert "cudagraph mode needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-loras", "0"], "--max-loras must be at least 1"),
+        (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        (["--max-seq-len", "1"], "--max-seq-len must be at least 2"),
+        (["--max-seq-len", "4096"], "exceeds the model's max_position_embeddings 128"),
+        (["--lora", "a=/x", "--lora", "a=/y"], "adapter name 'a' is given more than once"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(tiny, capsys, extra, message):
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--prompt", "hi", *extra]
+    assert main(argv, stdout=io.StringIO()) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_repeated_request_id_is_an_error_line_and_the_rest_are_served(tiny, tmp_path):
+    requests = tmp_path / "r.jsonl"
+    requests.write_text("\n".join(json.dumps({"id": "x", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 3}) for _ in range(2)))
+    out = io.StringIO()
+    assert main(["generate", "--model", str(tiny.base), "--device", "cpu", "--requests", str(requests)], stdout=out) == 0
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert len(first["token_ids"]) == 3
+    assert "repeats an earlier request's id" in second["error"]
