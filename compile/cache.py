@@ -196,8 +196,18 @@ class GraphCache:
             self._capturing = None
 
     # ---- replay ---------------------------------------------------------------------------
+    def lookup(self, inputs: Any) -> CapturedGraph | None:
+        """The captured graph of a step, or None (no per-row logits index, a batch wider
+        than every bucket, a prefill of several rows, a prompt longer than every bucket)."""
+        if inputs.logits_index is None:
+            return None
+        try:
+            return self.graphs.get(self.key_for(inputs))
+        except ValueError:
+            return None
+
     @torch.inference_mode()
-    def run(self, inputs: Any) -> Tensor:
+    def run(self, inputs: Any, graph: CapturedGraph | None = None) -> Tensor:
         """Copy a step into the buffers of its key and replay that graph.
 
         The batch must already be padded to its decode bucket (the engine pads with free
@@ -208,13 +218,12 @@ class GraphCache:
             KeyError: if the step's key was not captured (a prefill of several rows, or
                 a prompt longer than every bucket): run such steps eagerly.
         """
-        key = self.key_for(inputs)
-        graph = self.graphs.get(key)
+        graph = graph or self.lookup(inputs)
         if graph is None or graph.runner is None:
-            raise KeyError(f"no captured graph for {key}")
-        k = node_capture_key(key)
+            raise KeyError("no captured graph for this step")
+        k = node_capture_key(graph.key)
         if inputs.tokens.shape[0] != k.batch:
-            raise ValueError(f"a {key} step needs {k.batch} rows, got {inputs.tokens.shape[0]}")
+            raise ValueError(f"a {graph.key} step needs {k.batch} rows, got {inputs.tokens.shape[0]}")
         t = inputs.tokens.shape[1]
         self._tokens[: k.batch, :t].copy_(inputs.tokens, non_blocking=True)
         self._positions[: k.batch, :t].copy_(inputs.positions, non_blocking=True)
@@ -228,11 +237,3 @@ class GraphCache:
             return graph.runner()
         with torch.compiler.set_stance("fail_on_recompile"):
             return graph.runner()
-
-    def has_graph(self, inputs: Any) -> bool:
-        if inputs.logits_index is None:
-            return False
-        try:
-            return self.key_for(inputs) in self.graphs
-        except ValueError:
-            return False

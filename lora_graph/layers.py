@@ -37,7 +37,7 @@ class LoRALinear(nn.Module):
     """
 
     def __init__(self, base: nn.Linear, *, target_name: str, target: LoraTarget, layer: int,
-                 layout: SlotLayout, bound: BoundInputs, kernels: tuple[Any, Any, Any] = (ops.lora_shrink, ops.lora_expand_, None)) -> None:
+                 layout: SlotLayout, bound: BoundInputs, kernels: tuple[Any, Any] = (ops.lora_shrink, ops.lora_expand_)) -> None:
         super().__init__()
         if base.in_features != target.in_features or base.out_features != target.out_features:
             raise ValueError(f"{target_name} layer {layer}: base linear {base.in_features}->{base.out_features} "
@@ -51,7 +51,7 @@ class LoRALinear(nn.Module):
         self._a_block = (layout.blocks[(target_name, layer)][0], target.num_slices * layout.max_rank * target.in_features)
         self._b_block = (layout.blocks[(target_name, layer)][1], target.out_features * layout.max_rank)
         self._bound = bound
-        self._shrink, self._expand, self._apply = kernels
+        self._shrink, self._expand = kernels
         self.a_slots: list[Tensor] = []
         self.b_slots: list[Tensor] = []
 
@@ -68,9 +68,6 @@ class LoRALinear(nn.Module):
             return y
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
-        if self._apply is not None:  # shrink and expand in one launch
-            self._apply(y2, x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
-            return y
         h = self._shrink(x2, self.a_slots, 0, self.num_slices, self.max_rank, *routing)
         self._expand(y2, h, self.b_slots, 0, self.out_slices, *routing)
         return y

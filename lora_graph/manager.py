@@ -362,11 +362,9 @@ class LoRAManager:
         staging = self._staging
         if self._staged is not None:
             self._staged.synchronize()
-        staging.zero_()
-        staging[: len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        staging[max_groups : max_groups + len(offsets)] = torch.tensor(offsets, dtype=torch.int32)
-        staging[max_groups + len(offsets) : 2 * max_groups + 1] = end
-        staging[2 * max_groups + 1] = end
+        # [lora_ids (unused groups: slot 0) | offsets (unused groups: empty at end) | end]
+        values = ids + [0] * (max_groups - len(ids)) + offsets + [end] * (max_groups + 1 - len(offsets)) + [end]
+        staging.copy_(torch.tensor(values, dtype=torch.int32))
         self._lora_ids.copy_(staging[:max_groups], non_blocking=True)
         self._offsets.copy_(staging[max_groups : 2 * max_groups + 1], non_blocking=True)
         self._end.copy_(staging[2 * max_groups + 1 :], non_blocking=True)

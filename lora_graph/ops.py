@@ -134,25 +134,23 @@ def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
     return None
 
 
-def kernels(backend: str, device: torch.device) -> tuple[Any, Any, Any]:
-    """The ``(shrink, expand_, apply_)`` ops of a backend; ``apply_`` (shrink and expand in
-    one launch) is used where it is not None. ``"torch"``: the reference above;
-    ``"triton"``: :mod:`lora_graph.triton_ops`; ``"auto"``: Triton on CUDA when it is
-    installed, else the reference.
+def kernels(backend: str, device: torch.device) -> tuple[Any, Any]:
+    """The ``(shrink, expand_)`` ops of a backend: ``"torch"`` (the reference above),
+    ``"triton"`` (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is
+    installed, else the reference). The fused one-launch ``lora_apply_triton_`` is not
+    used: it measured slower than the pair on the H200 (bench/RESULTS.md).
 
     Raises:
         ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
             (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
     """
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return lora_shrink, lora_expand_, None
+        return lora_shrink, lora_expand_
     from lora_graph import triton_ops
 
-    # The fused lora_apply_triton_ (one launch) measured slower than the pair on the H200
-    # (bench/RESULTS.md: 11-30 us against 7-9 us a target at decode), so the pair serves.
-    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, None)
+    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_)
     if backend == "auto":
-        return triton_kernels if triton_ops.HAVE_TRITON else (lora_shrink, lora_expand_, None)
+        return triton_kernels if triton_ops.HAVE_TRITON else (lora_shrink, lora_expand_)
     if backend == "triton":
         if not triton_ops.HAVE_TRITON:
             raise ValueError("backend='triton' but Triton is not installed")

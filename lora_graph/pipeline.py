@@ -260,8 +260,9 @@ class PipelineModelWithKVCache(abc.ABC):
         ``logits_index``). A step whose key was captured replays its graph (the logits are
         then valid until the next replay); others run eagerly."""
         if self.graphs is not None:
-            if self.graphs.has_graph(inputs):
-                return self.graphs.run(inputs)
+            graph = self.graphs.lookup(inputs)
+            if graph is not None:
+                return self.graphs.run(inputs, graph)
             with torch.compiler.set_stance("force_eager"):  # an uncaptured shape: run, don't compile
                 return self._execute_eager(inputs)
         return self._execute_eager(inputs)
