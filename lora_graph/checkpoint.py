@@ -4,7 +4,10 @@ The format is PEFT's: ``adapter_config.json`` beside ``adapter_model.safetensors
 ``adapter_model.bin``), keys ``<prefix>.<module>.lora_A[.<adapter name>].weight``
 ``[r, in]`` and ``...lora_B...weight`` ``[out, r]``, and the delta
 ``y += scale * x @ A.T @ B.T`` with ``scale = lora_alpha / r`` (Hu et al., 2021) or
-``lora_alpha / sqrt(r)`` with ``use_rslora`` (Kalajdzievski, 2023).
+``lora_alpha / sqrt(r)`` with ``use_rslora`` (Kalajdzievski, 2023). An embedding's pair
+is ``<module>.lora_embedding_A`` ``[r, vocab]`` and ``lora_embedding_B`` ``[dim, r]``, and
+PEFT saves the targeted embedding's and LM head's base weights beside them as
+``<module>.base_layer.weight``: those must be the served model's own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from lora_graph.targets import LoraModuleRef, LoraTarget
 ModuleMap = Callable[[str], LoraModuleRef | None]
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B|embedding_A|embedding_B)(?:\.[^.]+)?(?:\.weight)?$")
+_BASE_LAYER_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 _PREFIXES = ("base_model.model.",)
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -134,6 +138,27 @@ def parse_lora_key(key: str) -> tuple[str, str] | None:
     return module, m.group("ab")
 
 
+def parse_base_layer_key(key: str) -> str | None:
+    """The module of a base weight PEFT saved beside the adapter
+    (``base_model.model.lm_head.base_layer.weight`` gives ``"lm_head"``; PEFT saves the
+    embedding and LM head this way when they are targeted), or None for another key."""
+    m = _BASE_LAYER_KEY.match(key)
+    return m.group("module").removeprefix(_PREFIXES[0]) if m else None
+
+
+def saved_base_weights(name: str, src: AdapterSource, module_map: ModuleMap) -> dict[LoraModuleRef, Tensor]:
+    """The base weights saved in an adapter's file, by where they land (empty if none).
+
+    Raises:
+        AdapterError: if the file cannot be read.
+    """
+    keys = {k: m for k in _read_shapes(src.weights_path) if (m := parse_base_layer_key(k)) is not None}
+    if not keys:
+        return {}
+    tensors = _load_tensors(src.weights_path)
+    return {ref: tensors[k] for k, m in keys.items() if (ref := module_map(m)) is not None}
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's ``get_pattern_key``: the first pattern key matching the module's tail."""
     for key, value in patterns.items():
@@ -196,10 +221,13 @@ class AdapterReader:
         """
         cfg = src.config
         pairs: dict[str, dict[str, str]] = {}
+        base_layers: dict[str, str] = {}
         for key in shapes:
             parsed = parse_lora_key(key)
             if parsed is not None:
                 pairs.setdefault(parsed[0], {})[parsed[1]] = key
+            elif (base := parse_base_layer_key(key)) is not None:
+                base_layers[base] = key
         r_default = int(cfg.get("r", 0)) or None
         alpha_default = cfg.get("lora_alpha")
         rank_pattern = cfg.get("rank_pattern") or {}
@@ -209,13 +237,14 @@ class AdapterReader:
         misfits: list[str] = []
         max_rank = 0
         for module, ab in sorted(pairs.items()):
-            if "embedding_A" in ab or "embedding_B" in ab:
-                unmapped.append(module)
-                continue
-            if "A" not in ab or "B" not in ab:
-                raise AdapterError(f"adapter {name!r}: module {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
-            a_shape, b_shape = shapes[ab["A"]], shapes[ab["B"]]
-            rank = a_shape[0]
+            embedding = "embedding_A" in ab or "embedding_B" in ab
+            a_name, b_name = ("embedding_A", "embedding_B") if embedding else ("A", "B")
+            if a_name not in ab or b_name not in ab or len(ab) != 2:
+                missing = next((n for n in (a_name, b_name) if n not in ab), None)
+                what = f"has lora_{missing} missing" if missing else f"mixes {sorted('lora_' + k for k in ab)}"
+                raise AdapterError(f"adapter {name!r}: module {module} {what}")
+            a_shape, b_shape = shapes[ab[a_name]], shapes[ab[b_name]]
+            rank = a_shape[0] if a_shape else 0
             max_rank = max(max_rank, rank)
             ref = self.module_map(module)
             if ref is None or ref.target not in self.targets:
@@ -226,6 +255,10 @@ class AdapterReader:
                 slice_idx = target.slice_index(ref.shard_id)
             except KeyError:
                 unmapped.append(module)
+                continue
+            if embedding != (target.kind == "embedding"):
+                misfits.append(f"{module} (lora_{a_name}/lora_{b_name} on a{'n' if target.kind == 'embedding' else ''} "
+                               f"{target.kind} target)")
                 continue
             expected_a = (rank, target.in_features)
             expected_b = (target.out_slices[slice_idx], rank)
@@ -238,7 +271,15 @@ class AdapterReader:
             r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))
             alpha = float(_pattern_value(alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg))
             scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
-            modules.append(LoraModule(module, ref, ab["A"], ab["B"], rank, scale))
+            modules.append(LoraModule(module, ref, ab[a_name], ab[b_name], rank, scale))
+        for module, key in base_layers.items():  # base weights PEFT saved beside the adapter
+            ref = self.module_map(module)
+            if ref is None or ref.target not in self.targets:
+                continue
+            target = self.targets[ref.target]
+            expected = (target.in_features, target.out_features) if target.kind == "embedding" else (target.out_features, target.in_features)
+            if tuple(shapes[key]) != expected:
+                misfits.append(f"{module} (saved base weight {list(shapes[key])}; the model's is {list(expected)}: a resized vocabulary?)")
         return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
 
     def info(self, name: str, src: AdapterSource) -> AdapterInfo:
@@ -287,6 +328,9 @@ class AdapterReader:
             start, size = target.slice_rows(s)
             a = layout.a_view(image, m.ref.target, m.ref.layer)
             b = layout.b_view(image, m.ref.target, m.ref.layer)
-            a[s, : m.rank].copy_(tensors[m.a_key].float())
+            if target.kind == "embedding":  # stored transposed: [vocab, max_rank]
+                a[:, : m.rank].copy_(tensors[m.a_key].float().T)
+            else:
+                a[s, : m.rank].copy_(tensors[m.a_key].float())
             b[start : start + size, : m.rank].copy_(tensors[m.b_key].float() * m.scale)
         return image, info.rank

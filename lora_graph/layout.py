@@ -19,6 +19,10 @@ class SlotLayout:
 
     An adapter of rank ``r < max_rank`` fills ``A[:, :r]`` and ``B[:, :r]``; the rest is zero,
     so a slot's delta is exactly the adapter's. The scale is already folded into B.
+
+    An embedding target (``kind="embedding"``) stores its A transposed,
+    ``[vocab_size, max_rank]`` (``in_features`` is the vocabulary), so the shrink's gather
+    reads one contiguous row per token; its B is ``[embedding_dim, max_rank]`` as usual.
     """
 
     def __init__(self, targets: dict[str, LoraTarget], num_layers: int, max_rank: int) -> None:
@@ -36,10 +40,13 @@ class SlotLayout:
         self.numel = offset
 
     def a_view(self, slot: Tensor, target: str, layer: int) -> Tensor:
-        """``A [num_slices, max_rank, in_features]`` of ``(target, layer)`` in a flat slot."""
+        """``A [num_slices, max_rank, in_features]`` of ``(target, layer)`` in a flat slot
+        (an embedding target's: ``[vocab_size, max_rank]``)."""
         t = self.targets[target]
         a_off, _ = self.blocks[(target, layer)]
         n = t.num_slices * self.max_rank * t.in_features
+        if t.kind == "embedding":
+            return slot[a_off : a_off + n].view(t.in_features, self.max_rank)
         return slot[a_off : a_off + n].view(t.num_slices, self.max_rank, t.in_features)
 
     def b_view(self, slot: Tensor, target: str, layer: int) -> Tensor:

@@ -17,13 +17,14 @@ import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
+from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter, saved_base_weights
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
-from lora_graph.layers import BoundInputs, LoRALinear
+from lora_graph.layers import BoundInputs, LoRAEmbedding, LoRALinear
 from lora_graph.layout import SlotLayout
 from lora_graph.targets import LoraTarget
 
 WeightsAdapter = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+_ROUTING_INPUTS = 5  # lora_ids, grouped_offsets, end, segment_offsets, segment_end
 
 
 class HasAdapter(Protocol):
@@ -109,13 +110,16 @@ class LoRAManager:
         self.kernels = ops.kernels(config.backend, self.device)
         self._bound = BoundInputs()
         self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
-        self._layers: list[LoRALinear] = []
+        self._layers: list[LoRALinear | LoRAEmbedding] = []
+        self._layer_at: dict[tuple[str, int], LoRALinear | LoRAEmbedding] = {}
         self._wrapped: list[str] = []
         pin = self.device.type == "cuda"
         self._lora_ids = torch.zeros(config.max_slots, dtype=torch.int32, device=self.device)
         self._offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
         self._end = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._staging = torch.zeros(2 * config.max_slots + 2, dtype=torch.int32, pin_memory=pin)
+        self._segment_offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
+        self._segment_end = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._staging = torch.zeros(3 * config.max_slots + 4, dtype=torch.int32, pin_memory=pin)
         # the last non-blocking copy out of the staging buffer: it must land before a refill
         self._staged = torch.cuda.Event() if pin else None
         self.slot_loads = 0  # weight copies into slots; a steady-state step makes none
@@ -181,6 +185,7 @@ class LoRAManager:
             self._unloading.discard(name)
             return LoRAStatus.UNCHANGED
         image, rank = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+        self._check_saved_base(name, src)
         if pin:
             pinned = sum(a.pinned for a in self._adapters.values() if a.name != name)
             if pinned >= self.config.max_slots - 1:
@@ -193,6 +198,23 @@ class LoRAManager:
         if pin:
             self.activate_adapter(name)
         return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
+
+    def _check_saved_base(self, name: str, src: AdapterSource) -> None:
+        """Refuse an adapter whose file carries base weights (PEFT saves the targeted
+        embedding's and LM head's) that differ from the served model's beyond the rounding
+        of the two dtypes: it was trained with its own embedding (new or trained tokens),
+        and serving only its LoRA pairs would be a silent wrong answer."""
+        if not self._layer_at:
+            return
+        for ref, saved in saved_base_weights(name, src, self.reader.module_map).items():
+            layer = self._layer_at.get((ref.target, ref.layer))
+            if layer is None:
+                continue
+            served = layer.base.weight
+            rtol = 2 * max(torch.finfo(saved.dtype).eps, torch.finfo(served.dtype).eps)
+            if not torch.allclose(saved.to(served.device, torch.float32), served.float(), rtol=rtol, atol=0.0):
+                raise AdapterError(f"adapter {name!r}: its saved base weight of {ref.target} differs from the served model's "
+                                   "(trained with its own embedding or LM head?); only LoRA pairs can be served")
 
     def unload_adapter(self, name: str) -> LoRAStatus:
         """Stop serving ``name``: new requests naming it are refused at once; if the running
@@ -340,6 +362,7 @@ class LoRAManager:
         ids: list[int] = []
         offsets: list[int] = [int(input_row_offsets[0])]
         end = offsets[0]
+        segments: list[int] = [0]  # the same groups, counted in requests
         prev: str | None = None
         seen_base = False
         for i, r in enumerate(batch):
@@ -356,34 +379,47 @@ class LoRAManager:
                     raise ValueError(f"the batch has more than {max_groups} adapter groups (use sort_lora_batch)")
                 ids.append(slot)
                 offsets.append(end)
+                segments.append(i)
                 prev = r.adapter
             end = int(input_row_offsets[i + 1])
             offsets[-1] = end
+            segments[-1] = i + 1
         staging = self._staging
         if self._staged is not None:
             self._staged.synchronize()
-        # [lora_ids (unused groups: slot 0) | offsets (unused groups: empty at end) | end]
-        values = ids + [0] * (max_groups - len(ids)) + offsets + [end] * (max_groups + 1 - len(offsets)) + [end]
+        # [lora_ids (unused groups: slot 0) | offsets (unused groups: empty at end) | end
+        #  | segment offsets | segment end]
+        g = max_groups
+        seg_end = segments[-1]
+        values = (ids + [0] * (g - len(ids)) + offsets + [end] * (g + 1 - len(offsets)) + [end]
+                  + segments + [seg_end] * (g + 1 - len(segments)) + [seg_end])
         staging.copy_(torch.tensor(values, dtype=torch.int32))
-        self._lora_ids.copy_(staging[:max_groups], non_blocking=True)
-        self._offsets.copy_(staging[max_groups : 2 * max_groups + 1], non_blocking=True)
-        self._end.copy_(staging[2 * max_groups + 1 :], non_blocking=True)
+        self._lora_ids.copy_(staging[:g], non_blocking=True)
+        self._offsets.copy_(staging[g : 2 * g + 1], non_blocking=True)
+        self._end.copy_(staging[2 * g + 1 : 2 * g + 2], non_blocking=True)
+        self._segment_offsets.copy_(staging[2 * g + 2 : 3 * g + 3], non_blocking=True)
+        self._segment_end.copy_(staging[3 * g + 3 :], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
         return self._lora_ids, self._offsets, self._end
 
     def input_buffers(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
                       device: torch.device | None = None) -> tuple[Tensor, ...]:
-        """The per-call LoRA inputs: the routing triple, then one stacked adapter per slot,
-        in :meth:`symbolic_inputs` order. Every tensor is a persistent buffer; only the
-        routing is refilled."""
-        return (*self.get_lora_graph_inputs(batch, input_row_offsets, device), *self._slot_views)
+        """The per-call LoRA inputs in :meth:`symbolic_inputs` order: the routing triple, the
+        segment pair (the groups' offsets and end counted in requests rather than tokens,
+        for a per-segment target such as the LM head; request ``i`` is ``batch[i]``), then
+        one stacked adapter per slot. Every tensor is a persistent buffer; only the routing
+        is refilled."""
+        routing = self.get_lora_graph_inputs(batch, input_row_offsets, device)
+        return (*routing, self._segment_offsets, self._segment_end, *self._slot_views)
 
     def symbolic_inputs(self) -> list[InputSpec]:
-        """The LoRA compile inputs: the routing triple, then one ``[numel]`` stack per slot."""
+        """The LoRA compile inputs: the routing triple, the segment pair, then one
+        ``[numel]`` stack per slot."""
         g = self.config.max_slots
         specs = [InputSpec("lora_ids", (g,), torch.int32), InputSpec("grouped_offsets", (g + 1,), torch.int32),
-                 InputSpec("end", (1,), torch.int32)]
+                 InputSpec("end", (1,), torch.int32), InputSpec("segment_offsets", (g + 1,), torch.int32),
+                 InputSpec("segment_end", (1,), torch.int32)]
         specs += [InputSpec(f"slot_{s}", (self.layout.numel,), self.dtype) for s in range(self.config.num_slots)]
         return specs
 
@@ -396,18 +432,20 @@ class LoRAManager:
         Raises:
             ValueError: if the count is neither 0 nor the routing triple plus one per slot.
         """
-        expected = 3 + self.config.num_slots
+        expected = _ROUTING_INPUTS + self.config.num_slots
         if len(lora_inputs) == 0:
             self._bound.clear()
             return
         if len(lora_inputs) != expected:
-            raise ValueError(f"expected {expected} LoRA inputs (routing triple + {self.config.num_slots} slots), got {len(lora_inputs)}")
-        slots = tuple(lora_inputs[3:])
+            raise ValueError(f"expected {expected} LoRA inputs (routing triple + segment pair + {self.config.num_slots} slots), "
+                             f"got {len(lora_inputs)}")
+        slots = tuple(lora_inputs[_ROUTING_INPUTS:])
         if len(slots) != len(self._bound_slots) or any(a is not b for a, b in zip(slots, self._bound_slots, strict=True)):
             for layer in self._layers:
                 layer.bind_slots(slots)
             self._bound_slots = slots
         self._bound.routing = (lora_inputs[0], lora_inputs[1], lora_inputs[2])
+        self._bound.segments = (lora_inputs[0], lora_inputs[3], lora_inputs[4])
 
     # ---- model ----------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> LoRAWrapper:
@@ -419,13 +457,21 @@ class LoRAManager:
                 parent_path, _, attr = path.rpartition(".")
                 parent = model.get_submodule(parent_path) if parent_path else model
                 base = getattr(parent, attr)
-                if not isinstance(base, nn.Linear):
-                    raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
-                lora = LoRALinear(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
-                                  bound=self._bound, kernels=self.kernels)
+                lora: LoRALinear | LoRAEmbedding
+                if target.kind == "embedding":
+                    if not isinstance(base, nn.Embedding):
+                        raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Embedding")
+                    lora = LoRAEmbedding(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
+                                         bound=self._bound, expand=self.kernels[1])
+                else:
+                    if not isinstance(base, nn.Linear):
+                        raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
+                    lora = LoRALinear(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
+                                      bound=self._bound, kernels=self.kernels)
                 lora.bind_slots(self._slot_views)
                 setattr(parent, attr, lora)
                 self._layers.append(lora)
+                self._layer_at[(target_name, layer)] = lora
                 self._wrapped.append(path)
         self._bound_slots = self._slot_views
         return LoRAWrapper(model, self)

@@ -96,6 +96,43 @@ def _(x, slots, a_offset, num_slices, max_rank, lora_ids, grouped_offsets, end):
     return x.new_empty((num_slices, x.shape[0], max_rank), dtype=torch.float32)
 
 
+@torch.library.custom_op("lora_graph::lora_embedding_shrink", mutates_args=())
+def lora_embedding_shrink(
+    tokens: Tensor,
+    slots: list[Tensor],
+    a_offset: int,
+    vocab_size: int,
+    max_rank: int,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> Tensor:
+    """The shrink of an embedding target: ``h[0, t] = A[slot(t)][:, tokens[t]]`` for rows
+    ``t < end``, 0 after: ``x @ A.T`` of the token's one-hot, as PEFT's
+    ``lora_embedding_A`` defines it. A gather, so one implementation serves every backend.
+
+    Args:
+        tokens: ``[N]`` int64 token ids.
+        slots, a_offset: the slot stacks and the A block's offset. An embedding's A block
+            holds PEFT's ``lora_embedding_A`` transposed, ``[vocab_size, max_rank]``, so a
+            token's rank vector is one contiguous row.
+        vocab_size, max_rank: the A block's dims.
+        lora_ids, grouped_offsets, end: the routing triple.
+
+    Returns:
+        ``h`` ``[1, N, max_rank]`` float32, ready for :func:`lora_expand_`.
+    """
+    a = slot_pool_view(slots, a_offset, (vocab_size, max_rank))
+    slot_of = row_slots(tokens.shape[0], lora_ids, grouped_offsets, end)
+    h = a[slot_of.clamp(min=0), tokens].float()
+    return torch.where((slot_of >= 0)[:, None], h, 0.0)[None]
+
+
+@lora_embedding_shrink.register_fake
+def _(tokens, slots, a_offset, vocab_size, max_rank, lora_ids, grouped_offsets, end):
+    return tokens.new_empty((1, tokens.shape[0], max_rank), dtype=torch.float32)
+
+
 @torch.library.custom_op("lora_graph::lora_expand_", mutates_args=("y",))
 def lora_expand_(
     y: Tensor,

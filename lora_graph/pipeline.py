@@ -202,7 +202,8 @@ class PipelineModelWithKVCache(abc.ABC):
         checkpoint = self._weights if self._weights is not None else read_checkpoint(self.model_dir)
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         missing, unexpected = root.load_state_dict(state, strict=False)
-        tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(self.config, "tie_word_embeddings", False) else set()
+        tied = ({k for k in missing if k.endswith(("lm_head.weight", "lm_head.base.weight"))}
+                if getattr(self.config, "tie_word_embeddings", False) else set())
         if set(missing) - tied:
             raise ValueError(f"{self.model_dir}: checkpoint lacks {sorted(set(missing) - tied)[:5]}")
         if unexpected:

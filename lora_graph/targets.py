@@ -30,8 +30,17 @@ class LoraTarget:
     partial sum added before the layer's all-reduce); ``"none"`` keeps it whole.
     ``slice_units`` counts the shardable units (heads) of each slice: a slice with fewer
     units than ranks is replicated, as GQA's K/V are. ``layers`` names the layers the
-    target exists on (None: all). ``kind="embedding"`` is a token embedding and
-    ``per_segment`` a linear that sees one row per request (an LM head).
+    target exists on (None: all; a target outside the layer stack, as an embedding or LM
+    head, names ``(0,)``).
+
+    ``kind="embedding"`` is a token embedding: ``in_features`` is the vocabulary, a row's
+    input is its token id, and the shrink gathers A's column for it (``x @ A.T`` of the
+    token's one-hot), as PEFT's ``lora_embedding_A`` ``[r, vocab]`` and
+    ``lora_embedding_B`` ``[embedding_dim, r]`` define it; it has one slice.
+
+    ``per_segment`` is a linear that sees one row per request, in batch order (an LM head
+    over each request's last token): given a 2-D input ``[requests, in_features]`` it is
+    routed by request, given ``[B, T, in_features]`` (every token's logits) by token.
     """
 
     in_features: int
@@ -48,6 +57,8 @@ class LoraTarget:
             raise ValueError(f"out_slices must be positive widths, got {self.out_slices}")
         if self.slice_names and len(self.slice_names) != len(self.out_slices):
             raise ValueError(f"slice_names {self.slice_names} do not match out_slices {self.out_slices}")
+        if self.kind == "embedding" and (self.num_slices != 1 or self.per_segment):
+            raise ValueError("an embedding target has one slice and is routed per token")
 
     @property
     def num_slices(self) -> int:

@@ -281,7 +281,10 @@ class LlamaModel(nn.Module):
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
-    """The four LoRA target families of a Llama layer, fused as the model fuses them."""
+    """The four LoRA target families of a Llama layer, fused as the model fuses them, then
+    the token embedding (``embedding``) and the LM head (``per_segment``: it sees each
+    request's last token). With tied embeddings the two stay separate targets: an LM-head
+    delta changes the logits only, never the input embedding (as in PEFT)."""
     c = config
     return {
         "qkv_proj": LoraTarget(c.hidden_size, (c.q_size, c.kv_size, c.kv_size), "column", ("q_proj", "k_proj", "v_proj"),
@@ -289,24 +292,31 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
         "o_proj": LoraTarget(c.q_size, (c.hidden_size,), "row", ("o_proj",)),
         "gate_up_proj": LoraTarget(c.hidden_size, (c.intermediate_size,) * 2, "column", ("gate_proj", "up_proj")),
         "down_proj": LoraTarget(c.intermediate_size, (c.hidden_size,), "row", ("down_proj",)),
+        "embed_tokens": LoraTarget(c.vocab_size, (c.hidden_size,), "none", ("embed_tokens",), layers=(0,), kind="embedding"),
+        "lm_head": LoraTarget(c.hidden_size, (c.vocab_size,), "column", ("lm_head",), layers=(0,), per_segment=True),
     }
 
 
 _MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
+_TOP_RE = re.compile(r"(?:^|\.)(embed_tokens|lm_head)$")
 _SLICE_TARGET = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
 def lora_module_map(module: str) -> LoraModuleRef | None:
-    """Place a checkpoint module (``model.layers.3.self_attn.q_proj``) on a target slice."""
+    """Place a checkpoint module (``model.layers.3.self_attn.q_proj``, ``lm_head``) on a
+    target slice."""
     m = _MODULE_RE.search(module)
     if m is None:
-        return None
+        top = _TOP_RE.search(module)
+        return LoraModuleRef(top.group(1), 0, top.group(1)) if top else None
     return LoraModuleRef(_SLICE_TARGET[m.group(2)], int(m.group(1)), m.group(2))
 
 
 def lora_module_path(target: str, layer: int) -> str:
-    """The attribute path of a target's linear in :class:`LlamaModel`."""
+    """The attribute path of a target's module in :class:`LlamaModel`."""
+    if target in ("embed_tokens", "lm_head"):
+        return target
     parent = "self_attn" if target in ("qkv_proj", "o_proj") else "mlp"
     return f"layers.{layer}.{parent}.{target}"
 

@@ -18,17 +18,20 @@ from lora_graph import AdapterError, LoraReqConfig, LoRAStatus, NoFreeSlotError
 def test_inputs_order_and_count(tiny):
     m = make_pipeline(tiny, max_slots=3).manager
     specs = m.symbolic_inputs()
-    assert [s.name for s in specs] == ["lora_ids", "grouped_offsets", "end", "slot_0", "slot_1", "slot_2", "slot_3"]
+    assert [s.name for s in specs] == ["lora_ids", "grouped_offsets", "end", "segment_offsets", "segment_end",
+                                       "slot_0", "slot_1", "slot_2", "slot_3"]
     m.activate_batch([Row("A"), Row("B")])
     bufs = m.input_buffers([Row("A"), Row("A"), Row("B"), Row(None)], [0, 2, 5, 6, 7])
     assert [tuple(b.shape) for b in bufs] == [s.shape for s in specs]
     assert [b.dtype for b in bufs] == [s.dtype for s in specs]
-    lora_ids, offsets, end = bufs[:3]
+    lora_ids, offsets, end, segment_offsets, segment_end = bufs[:5]
     slot_a, slot_b = m.activate_adapter("A"), m.activate_adapter("B")
     assert lora_ids.tolist() == [slot_a, slot_b, 0]
     assert offsets.tolist() == [0, 5, 6, 6]
     assert end.tolist() == [6]
-    with pytest.raises(ValueError, match="expected 7 LoRA inputs"):
+    assert segment_offsets.tolist() == [0, 2, 3, 3]  # the same groups, counted in requests
+    assert segment_end.tolist() == [3]
+    with pytest.raises(ValueError, match="expected 9 LoRA inputs"):
         m.bind_inputs(None, bufs[:-1])
     with pytest.raises(ValueError, match="not sorted"):
         m.get_lora_graph_inputs([Row("A"), Row(None), Row("B")], [0, 1, 2, 3])
@@ -125,8 +128,20 @@ def _copy_adapter(src, dst, *, config=None, tensors=None):
         (dict(tensors=lambda w: {"something.weight": torch.zeros(2, 2)}), "no LoRA tensors"),
         (dict(tensors=lambda w: {k: v[:, :-1].contiguous() if "layers.0.mlp.down_proj.lora_A" in k else v for k, v in w.items()}),
          r"layers\.0\.mlp\.down_proj .*does not fit"),
+        (dict(tensors=lambda w: {**w, "base_model.model.score.lora_A.weight": torch.zeros(8, 64),
+                                 "base_model.model.score.lora_B.weight": torch.zeros(2, 8)}), "score is outside the served targets"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 100),
+                                 "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 8)}),
+         r"embed_tokens \(A \[8, 100\].*expected A \[8, 128\].*does not fit"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 128),
+                                 "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(64, 8)}),
+         r"embed_tokens \(lora_A/lora_B on an embedding target\)"),
         (dict(tensors=lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
-                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(128, 8)}), "lm_head is outside the served targets"),
+                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(130, 8)}), r"lm_head \(A .*does not fit"),
+        (dict(tensors=lambda w: {**w, "base_model.model.lm_head.base_layer.weight": torch.zeros(130, 64)}),
+         r"lm_head \(saved base weight \[130, 64\].*resized vocabulary"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.base_layer.weight": torch.randn(128, 64)}),
+         "saved base weight of embed_tokens differs from the served model's"),
         (dict(tensors=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k}), "lora_B missing"),
     ],
 )
