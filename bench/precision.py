@@ -3,7 +3,10 @@
 Builds the test suite's tiny model and adapters (large B, so deltas show), and prints the
 relative error ``||logits - ref|| / ||ref||`` of each row of the interleaved batch, where
 ``ref`` is float32 transformers + peft on the CPU, for: the engine per backend and device,
-and transformers + peft itself, in bfloat16.
+and transformers + peft itself, in bfloat16, each with adapter weights in the model dtype
+(engine slots ``LoRAConfig.dtype=None``; peft ``autocast_adapter_dtype=False``) and in
+float32 (``LoRAConfig.dtype=torch.float32``; peft's default, which keeps adapters in float32
+under a half-precision base).
 
     python bench/precision.py [--dtype bfloat16|float16]
 """
@@ -25,7 +28,6 @@ from conftest import (  # noqa: E402
     Tiny,
     make_hf_model,
     make_peft_adapter,
-    make_pipeline,
     prompts,
 )
 from test_parity import MIX, run_prefill  # noqa: E402
@@ -52,23 +54,17 @@ def main() -> None:
     def err(got: list[torch.Tensor]) -> list[float]:
         return [float((g.float().cpu() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
 
-    rows[f"engine cpu {args.dtype}"] = err(run_prefill(make_pipeline(tiny, dtype=dtype), batch, MIX))
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        same = PeftReference(tiny, dtype=dtype, device=device)
-        rows[f"peft {device} {args.dtype}"] = err([same.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)])
-    if torch.cuda.is_available():
-        for backend in ("torch", "triton"):
-            pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device="cuda", max_batch_size=8, max_seq_len=64,
-                                 lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend))
-            for name, path in adapters.items():
-                pipe.manager.load_adapter(str(path), name=name)
-            rows[f"engine cuda {args.dtype} {backend}"] = err(run_prefill(pipe, batch, MIX))
-        pipe = LlamaPipeline(str(tiny.base), dtype=torch.float32, device="cuda", max_batch_size=8, max_seq_len=64,
-                             lora=LoRAConfig(max_slots=4, max_rank=16, backend="torch"))
-        for name, path in adapters.items():
-            pipe.manager.load_adapter(str(path), name=name)
-        rows["engine cuda float32 torch"] = err(run_prefill(pipe, batch, MIX))
+        for label, slot_dtype, autocast in (("adapters " + args.dtype, None, False), ("adapters float32", torch.float32, True)):
+            same = PeftReference(tiny, dtype=dtype, device=device, autocast_adapter_dtype=autocast)
+            rows[f"peft {device} {args.dtype}, {label}"] = err([same.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)])
+            for backend in ("torch", "triton") if device == "cuda" else ("torch",):
+                pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device=device, max_batch_size=8, max_seq_len=64,
+                                     lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend, dtype=slot_dtype))
+                for name, path in adapters.items():
+                    pipe.manager.load_adapter(str(path), name=name)
+                rows[f"engine {device} {args.dtype} {backend}, {label}"] = err(run_prefill(pipe, batch, MIX))
     print("| run | " + " | ".join(str(a) for a in MIX) + " |")
     print("|---|" + "---|" * len(MIX))
     for name, errs in rows.items():

@@ -17,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter, saved_base_weights
+from lora_graph.checkpoint import (
+    AdapterReader,
+    AdapterSource,
+    ModuleMap,
+    resolve_adapter,
+    saved_base_weights,
+)
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layers import BoundInputs, LoRAEmbedding, LoRALinear
 from lora_graph.layout import SlotLayout
@@ -211,8 +217,10 @@ class LoRAManager:
             if layer is None:
                 continue
             served = layer.base.weight
-            rtol = 2 * max(torch.finfo(saved.dtype).eps, torch.finfo(served.dtype).eps)
-            if not torch.allclose(saved.to(served.device, torch.float32), served.float(), rtol=rtol, atol=0.0):
+            coarse = [torch.finfo(d) for d in (saved.dtype, served.dtype)]
+            rtol = 2 * max(f.eps for f in coarse)
+            atol = max(f.tiny for f in coarse)  # below it half precision rounds to subnormals
+            if not torch.allclose(saved.to(served.device, torch.float32), served.float(), rtol=rtol, atol=atol):
                 raise AdapterError(f"adapter {name!r}: its saved base weight of {ref.target} differs from the served model's "
                                    "(trained with its own embedding or LM head?); only LoRA pairs can be served")
 

@@ -23,6 +23,9 @@ ADAPTERS = {
     "A": (dict(r=8, lora_alpha=16, target_modules=ALL_LINEARS), 20.0),
     "B": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True), 40.0),
     "C": (dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "down_proj"]), 20.0),
+    # the embedding (lora_embedding_A/B) and the LM head (per segment), at another rank
+    "D": (dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"],
+               rank_pattern={"lm_head": 4}), 20.0),
 }
 
 
@@ -102,16 +105,20 @@ def tiny(tiny_factory) -> Tiny:
 class PeftReference:
     """Per-request reference: ``transformers`` + ``peft`` with every adapter loaded."""
 
-    def __init__(self, t: Tiny, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    def __init__(self, t: Tiny, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 autocast_adapter_dtype: bool = True) -> None:
+        """``autocast_adapter_dtype`` is PEFT's: True (its default) keeps the adapter weights
+        in float32 under a half-precision base; False casts them to ``dtype``."""
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
         self.device = device
         base = AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype).to(device).eval()
         names = list(t.adapters)
-        self.model = PeftModel.from_pretrained(base, t.adapters[names[0]], adapter_name=names[0]).eval()
+        self.model = PeftModel.from_pretrained(base, t.adapters[names[0]], adapter_name=names[0],
+                                               autocast_adapter_dtype=autocast_adapter_dtype).eval()
         for name in names[1:]:
-            self.model.load_adapter(t.adapters[name], adapter_name=name)
+            self.model.load_adapter(t.adapters[name], adapter_name=name, autocast_adapter_dtype=autocast_adapter_dtype)
 
     @torch.no_grad()
     def logits(self, ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -145,12 +152,13 @@ def reference_factory():
 
 
 def make_pipeline(t: Tiny, *, max_slots: int = 4, max_rank: int = 16, max_batch_size: int = 8, max_seq_len: int = 64,
-                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  slot_dtype: torch.dtype | None = None):
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
     pipe = LlamaPipeline(str(t.base), dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank))
+                         lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank, dtype=slot_dtype))
     for name in load if load is not None else tuple(t.adapters):
         pipe.manager.load_adapter(str(t.adapters[name]), name=name)
     return pipe

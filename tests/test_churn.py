@@ -1,6 +1,6 @@
 """Slot churn: thousands of decode steps through 3 slots and a 5-adapter host tier.
 
-A dozen adapters of different ranks and target sets; every step draws a random batch
+A dozen adapters of different ranks and target sets (the embedding and LM head included); every step draws a random batch
 (base rows mixed in) and every row is checked against the reference logits of its
 (token, adapter) from transformers + peft. Rows decode at position 0 of their own KV cache
 row, so a row's output depends on its token and adapter alone, whatever ran before.
@@ -16,7 +16,8 @@ from conftest import ALL_LINEARS, Row, make_peft_adapter
 from lora_graph import LoRAConfig
 from lora_graph.models import LlamaPipeline
 
-TARGET_SETS = [["q_proj", "v_proj"], ALL_LINEARS, ["o_proj", "down_proj"], ["gate_proj", "up_proj", "k_proj"]]
+TARGET_SETS = [["q_proj", "v_proj"], ALL_LINEARS, ["o_proj", "down_proj"],
+               ["embed_tokens", "lm_head", "gate_proj", "up_proj", "k_proj"]]
 STEPS = 2000
 TOKENS = [5, 17, 42, 99]
 

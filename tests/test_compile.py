@@ -90,9 +90,9 @@ def test_compiled_steps_equal_eager_across_mixes(pair):
     positions = [len(p) for p in batch]
     mixes = [
         [None, None, None, None],  # all base: the base-only graph
-        ["A", None, "B", "A"],  # mixed
+        ["A", None, "B", "D"],  # mixed (D: embedding and LM head)
         ["C", "C", "C", "C"],  # one adapter for every row
-        ["A", "B", "C", None],  # all distinct: more groups than at capture (none)
+        ["A", "B", "C", "D"],  # all distinct: more groups than at capture (none)
         [None, None, None, None],
         ["B", None, "A"],  # 3 rows padded into the bucket of 4
         ["C", "A"],  # bucket 2
@@ -141,7 +141,7 @@ def test_engine_through_graphs_matches_eager_engine(pair):
 
     compiled, eager = pair
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    reqs = [Request(str(i), p, a, sampling) for i, (p, a) in enumerate(zip(prompts(5, seed=33), ["A", None, "B", "C", "A"], strict=True))]
+    reqs = [Request(str(i), p, a, sampling) for i, (p, a) in enumerate(zip(prompts(5, seed=33), ["A", None, "B", "C", "D"], strict=True))]
     got = LLMEngine(compiled).generate(reqs)
     want = LLMEngine(eager).generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

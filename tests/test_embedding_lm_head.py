@@ -1,0 +1,110 @@
+"""LoRA on the token embedding (``lora_embedding_A/B``) and the LM head (a per-segment
+target), tied embeddings included, each against its formula from the adapter file and
+against transformers + peft (the mixed-batch tests run adapter ``D``, which has both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Row, make_peft_adapter, make_pipeline, prompts
+from safetensors.torch import load_file
+
+from lora_graph import AdapterError, LoRAConfig
+from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+LINEAR_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _prefill_trace(pipe, ids, adapters):
+    """Rows of one prefill of the same prompt under each adapter: (embedding output,
+    final-norm output, all-position logits)."""
+    n = len(adapters)
+    seen: dict[str, torch.Tensor] = {}
+    inner = pipe.model.model
+    hooks = [inner.embed_tokens.register_forward_hook(lambda m, i, o: seen.__setitem__("embed", o.clone())),
+             inner.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm", o.clone()))]
+    try:
+        rows = [Row(a) for a in adapters]
+        tokens = torch.tensor([ids] * n)
+        logits = pipe.execute(pipe.prepare(rows, tokens=tokens, positions=torch.arange(len(ids)).expand(n, -1),
+                                           cache_rows=torch.arange(n), logits_index=None, prefill=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen["embed"], seen["norm"], logits
+
+
+@pytest.fixture(scope="module")
+def tied_adapters(tiny_factory, tmp_path_factory):
+    t = tiny_factory("tied")
+    root = tmp_path_factory.mktemp("tied_adapters")
+    return t, {
+        "head": make_peft_adapter(t.base, root / "head", seed=71, factor=20.0, r=4, lora_alpha=8, target_modules=["lm_head"]),
+        "embed": make_peft_adapter(t.base, root / "embed", seed=72, factor=1.0, r=8, lora_alpha=8, use_rslora=True,
+                                   target_modules=["embed_tokens"]),
+    }
+
+
+def test_lm_head_delta_changes_logits_only_tied(tied_adapters):
+    """Tied embeddings: an LM-head adapter leaves the input embedding and every hidden state
+    as the base model's; the logits move by exactly ``norm(h) @ (scale * B @ A).T``."""
+    t, paths = tied_adapters
+    pipe = make_pipeline(t, load=())
+    pipe.manager.load_adapter(str(paths["head"]), name="head")
+    weight_before = pipe.model.model.embed_tokens.base.weight.clone()
+    ids = prompts(1, seed=73)[0]
+    embed, norm, logits = _prefill_trace(pipe, ids, ["head", None])
+    assert torch.equal(embed[0], embed[1])
+    torch.testing.assert_close(norm[0], norm[1], rtol=1e-6, atol=1e-6)  # rows of one matmul may round apart
+    w = load_file(str(paths["head"] / "adapter_model.safetensors"))
+    a, b = w["base_model.model.lm_head.lora_A.weight"], w["base_model.model.lm_head.lora_B.weight"]
+    expected = logits[1] + norm[1] @ (2.0 * b @ a).T  # alpha 8 / r 4
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+    assert (logits[0] - logits[1]).abs().max() > 0.1
+    assert torch.equal(pipe.model.model.embed_tokens.base.weight, weight_before)
+    assert pipe.model.model.lm_head.base.weight is pipe.model.model.embed_tokens.base.weight  # still tied
+
+
+def test_embedding_delta_is_the_gathered_column_tied(tied_adapters):
+    """``embed(t) += scale * lora_embedding_B @ lora_embedding_A[:, t]`` (rsLoRA scale), on
+    the adapter's rows only; the LM head, tied to the embedding, is not changed by it."""
+    t, paths = tied_adapters
+    pipe = make_pipeline(t, load=())
+    pipe.manager.load_adapter(str(paths["embed"]), name="embed")
+    ids = prompts(1, seed=74)[0]
+    embed, _, _ = _prefill_trace(pipe, ids, ["embed", None])
+    w = load_file(str(paths["embed"] / "adapter_model.safetensors"))
+    a = w["base_model.model.model.embed_tokens.lora_embedding_A"]
+    b = w["base_model.model.model.embed_tokens.lora_embedding_B"]
+    scale = 8 / 8**0.5
+    torch.testing.assert_close(embed[0], embed[1] + scale * a[:, ids].T @ b.T, rtol=1e-5, atol=1e-5)
+    head = pipe.model.model.lm_head
+    x = torch.randn(3, head.base.in_features)
+    torch.testing.assert_close(head(x), x @ pipe.model.model.embed_tokens.base.weight.T)
+
+
+def test_generation_with_embedding_and_lm_head_matches_peft(tiny_factory, reference_factory):
+    """Greedy decoding (the LM head routed per request at decode and at a batched,
+    right-padded prefill) on a tied model, for D (embedding + LM head + linears) among others."""
+    t = tiny_factory("tied")
+    ref = reference_factory(t)
+    engine = LLMEngine(make_pipeline(t))
+    adapters = ["D", None, "A", "D", "B"]
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    reqs = [Request(str(i), ids, a, sampling) for i, (ids, a) in enumerate(zip(prompts(5, seed=75), adapters, strict=True))]
+    for req, out in zip(reqs, engine.generate(reqs), strict=True):
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8), req.adapter
+
+
+def test_unserved_embedding_and_lm_head_targets_refuse_such_adapters(tiny):
+    """``LoRAConfig.targets`` without the embedding and LM head saves their vocabulary-sized
+    blocks; an adapter that touches them is refused, naming the module."""
+    from lora_graph.models import LlamaPipeline
+
+    full = make_pipeline(tiny, load=())
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=2, max_seq_len=16,
+                         lora=LoRAConfig(max_slots=2, max_rank=16, targets=LINEAR_TARGETS))
+    assert pipe.manager.layout.numel < full.manager.layout.numel
+    with pytest.raises(AdapterError, match=r"module lm_head is outside the served targets \(qkv_proj.*and 1 more"):
+        pipe.manager.load_adapter(str(tiny.adapters["D"]), name="D")
+    pipe.manager.load_adapter(str(tiny.adapters["A"]), name="A")  # the rest is served
