@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lora_graph.config import LoraReqConfig
+from lora_graph.manager import AdapterRef
 from lora_graph.pipeline import PipelineModelWithKVCache
 
 
@@ -83,10 +84,12 @@ class _Sequence:
     generator: torch.Generator | None
     tokens: list[int]
     generated: list[int] = field(default_factory=list)
+    hold: AdapterRef | None = None  # the adapter version it was admitted under
 
     @property
     def adapter(self) -> str | None:
-        return self.request.adapter
+        """The routing key of its rows: the adapter version it holds once admitted."""
+        return self.hold.key if self.hold is not None else self.request.adapter
 
 
 @dataclass
@@ -138,10 +141,8 @@ class LLMEngine:
             for seq in queue:
                 if seq.request.id == request_id:
                     queue.remove(seq)
-                    if seq.cache_row >= 0:
-                        self._free_rows.append(seq.cache_row)
-                        self._free_rows.sort()
-                    self.finished[request_id] = RequestOutput(request_id, seq.adapter, seq.generated, None, "aborted")
+                    self._release(seq)
+                    self.finished[request_id] = RequestOutput(request_id, seq.request.adapter, seq.generated, None, "aborted")
                     return True
         return False
 
@@ -173,10 +174,21 @@ class LLMEngine:
                 if not manager.can_activate(names | {seq.adapter}):
                     break
                 names.add(seq.adapter)
+                seq.hold = manager.acquire(seq.adapter)
             self.waiting.popleft()
             seq.cache_row = self._free_rows.pop(0)
             admitted.append(seq)
         return admitted
+
+    def _release(self, seq: _Sequence) -> None:
+        """Give back what a leaving request held: its KV cache row and its adapter version."""
+        if seq.cache_row >= 0:
+            self._free_rows.append(seq.cache_row)
+            self._free_rows.sort()
+            seq.cache_row = -1
+        if seq.hold is not None:
+            self.pipeline.manager.release(seq.hold)
+            seq.hold = None
 
     # ---- stepping ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -237,9 +249,8 @@ class LLMEngine:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
-                self._free_rows.append(seq.cache_row)
-                self._free_rows.sort()
-                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter, seq.generated, reason)
+                self._release(seq)
+                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, reason)
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         s = seq.request.sampling

@@ -50,6 +50,19 @@ class NoFreeSlotError(RuntimeError):
     """Every slot holds a pinned adapter or one of the running batch."""
 
 
+@dataclass(eq=False)
+class AdapterRef:
+    """A request's hold on the version of an adapter it was admitted under
+    (:meth:`LoRAManager.acquire`). ``key`` is what its batch rows route by: the adapter's
+    name while that version is current, ``name@<digest prefix>`` once a reload replaced it
+    (the manager updates it in place); the version stays served until its last hold is
+    released."""
+
+    name: str
+    digest: str
+    key: str
+
+
 class InputSpec(NamedTuple):
     """One compile input: its name, shape and dtype."""
 
@@ -112,7 +125,8 @@ class LoRAManager:
         self._adapters: dict[str, LoadedAdapter] = {}
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._running: frozenset[str] = frozenset()
-        self._unloading: set[str] = set()  # unloaded while the running batch still uses them
+        self._unloading: set[str] = set()  # unloaded or replaced while requests still hold them
+        self._holds: dict[str, list[AdapterRef]] = {}  # routing key -> requests in flight on it
         self.kernels = ops.kernels(config.backend, self.device)
         self._bound = BoundInputs()
         self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
@@ -164,9 +178,10 @@ class LoRAManager:
         """Load one adapter into the host tier (``"name=path"``, or ``path`` as its name).
 
         A known name with the same weights is left as it is (``UNCHANGED``); with other
-        weights it is replaced (``RELOADED``): the slot holding the old weights is released,
-        so the next step that names it copies the new ones in. The engine loads between
-        steps, so a request in flight runs on the new weights from its next step.
+        weights it is replaced (``RELOADED``) and the load does not wait: requests admitted
+        after it get the new weights, and requests in flight (those holding the old version
+        through :meth:`acquire`) finish on the old ones, which keep their slot under the
+        routing key ``name@<digest prefix>`` until the last hold is released.
 
         Raises:
             AdapterError: if the adapter cannot be served (the message names the cause), or
@@ -197,7 +212,10 @@ class LoRAManager:
             if pinned >= self.config.max_slots - 1:
                 raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
         if old is not None:
-            self._release(name)
+            if self._holds.get(name):
+                self._retire(name)
+            else:
+                self._release(name)
         self._unloading.discard(name)
         self._adapters[name] = LoadedAdapter(name, src, digest, rank, pin, self._to_host(image))
         self._touch_host(name)
@@ -224,10 +242,52 @@ class LoRAManager:
                 raise AdapterError(f"adapter {name!r}: its saved base weight of {ref.target} differs from the served model's "
                                    "(trained with its own embedding or LM head?); only LoRA pairs can be served")
 
+    def _retire(self, name: str) -> None:
+        """Move the current version of ``name`` to its own routing key, for the requests
+        that hold it; it is freed when they are done."""
+        entry = self._adapters.pop(name)
+        alias = f"{name}@{entry.digest[:12]}"
+        entry.name, entry.pinned = alias, False
+        self._adapters[alias] = entry
+        slot = self._active.pop(name, None)
+        if slot is not None:
+            self._active[alias] = slot
+            self._slot_owner[slot] = (alias, entry.digest)
+        if name in self._host_lru:
+            self._host_lru = OrderedDict((alias if k == name else k, None) for k in self._host_lru)
+        holds = self._holds.pop(name)
+        for ref in holds:
+            ref.key = alias
+        self._holds[alias] = holds
+        self._unloading.add(alias)
+
+    def acquire(self, name: str) -> AdapterRef:
+        """Hold the current version of ``name`` for a request admitted under it: an unload
+        or a reload leaves that version served until :meth:`release`.
+
+        Raises:
+            KeyError: if ``name`` is not loaded (or is being unloaded).
+        """
+        if not self.is_lora(name):
+            raise KeyError(f"adapter {name!r} is not loaded")
+        ref = AdapterRef(name, self._adapters[name].digest, name)
+        self._holds.setdefault(name, []).append(ref)
+        return ref
+
+    def release(self, ref: AdapterRef) -> None:
+        """Drop a request's hold (it finished or was aborted); a version that was unloaded or
+        replaced is freed with its last hold. Releasing twice is harmless."""
+        holds = self._holds.get(ref.key, [])
+        if ref in holds:
+            holds.remove(ref)
+            if not holds:
+                del self._holds[ref.key]
+        self._purge_unloaded(between_steps=True)
+
     def unload_adapter(self, name: str) -> LoRAStatus:
-        """Stop serving ``name``: new requests naming it are refused at once; if the running
-        batch still uses it, its requests finish on it and its slot and host image are
-        freed at the first batch that no longer names it.
+        """Stop serving ``name``: new requests naming it are refused at once; requests that
+        hold it (:meth:`acquire`) finish on it, and its slot and host image are freed when
+        the last is released and no running batch names it.
 
         Raises:
             KeyError: if ``name`` is not loaded.
@@ -238,8 +298,11 @@ class LoRAManager:
         self._purge_unloaded()
         return LoRAStatus.UNLOADED
 
-    def _purge_unloaded(self) -> None:
-        for name in [n for n in self._unloading if n not in self._running]:
+    def _purge_unloaded(self, *, between_steps: bool = False) -> None:
+        """Free unloaded or replaced versions that no request holds and, unless called
+        between steps, that the batch being activated does not name."""
+        running = frozenset() if between_steps else self._running
+        for name in [n for n in self._unloading if n not in running and not self._holds.get(n)]:
             self._unloading.discard(name)
             self._release(name)
             del self._adapters[name]
@@ -518,4 +581,4 @@ class LoRAWrapper(nn.Module):
         return out
 
 
-__all__ = ["AdapterError", "InputSpec", "LoRAManager", "LoRAStatus", "LoRAWrapper", "LoadedAdapter", "NoFreeSlotError"]
+__all__ = ["AdapterError", "AdapterRef", "InputSpec", "LoRAManager", "LoRAStatus", "LoRAWrapper", "LoadedAdapter", "NoFreeSlotError"]

@@ -228,6 +228,71 @@ def test_unload_with_requests_in_flight(tiny, reference_factory):
         pipe.manager.unload_adapter("B")
 
 
+def test_unload_in_flight_survives_batches_without_it(tiny, reference_factory):
+    """An unloaded adapter's running request finishes on it even when other requests are
+    admitted (and prefilled in batches that do not name it) before it is done."""
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+    ref = reference_factory(tiny)
+    engine = LLMEngine(make_pipeline(tiny))
+    ids = prompts(3, seed=26)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.add_request(Request("b", ids[0], "B", sampling))
+    engine.step()
+    engine.pipeline.manager.unload_adapter("B")
+    engine.add_request(Request("a", ids[1], "A", sampling))
+    engine.add_request(Request("base", ids[2], None, sampling))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["b"].token_ids == ref.greedy(ids[0], "B", 6)
+    assert engine.finished["a"].token_ids == ref.greedy(ids[1], "A", 6)
+    assert engine.finished["base"].token_ids == ref.greedy(ids[2], None, 6)
+    assert "B" not in engine.pipeline.manager.loras and not engine.pipeline.manager.is_active_lora("B")
+
+
+def test_reload_in_flight_finishes_on_the_old_weights(tiny, reference_factory):
+    """Reloading ``x`` with other weights while a request runs on it: that request finishes
+    on the old weights, requests admitted afterwards get the new ones, and the old version
+    is freed with its last request."""
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+    ref = reference_factory(tiny)
+    engine = LLMEngine(make_pipeline(tiny, load=()))
+    m = engine.pipeline.manager
+    m.load_adapter(str(tiny.adapters["A"]), name="x")
+    ids = prompts(3, seed=27)
+    engine.add_request(Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    assert m.load_adapter(str(tiny.adapters["C"]), name="x") == LoRAStatus.RELOADED
+    assert m.loras == ["x"]  # the old version is not requestable
+    engine.add_request(Request("new", ids[1], "x", SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    engine.step()  # prefill "new" beside the running "old"
+    engine.step()  # one decode step with both versions in the batch
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["old"].token_ids == ref.greedy(ids[0], "A", 8)
+    assert engine.finished["new"].token_ids == ref.greedy(ids[1], "C", 4)
+    assert engine.finished["old"].adapter == engine.finished["new"].adapter == "x"
+    assert list(m._adapters) == ["x"] and m._holds == {}  # the old version is gone
+    after = engine.generate([Request("after", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))])
+    assert after[0].token_ids == ref.greedy(ids[2], "C", 3)
+
+
+def test_abort_releases_the_adapter_hold(tiny):
+    """An aborted request gives back its hold: an adapter unloaded meanwhile is freed."""
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+    engine = LLMEngine(make_pipeline(tiny))
+    m = engine.pipeline.manager
+    engine.add_request(Request("c", prompts(1, seed=28)[0], "C", SamplingParams(max_new_tokens=8)))
+    engine.step()
+    m.unload_adapter("C")
+    assert "C" in m._adapters  # held by the running request
+    assert engine.abort_request("c")
+    assert "C" not in m._adapters and not m.is_active_lora("C") and m._holds == {}
+
+
 def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatch):
     """A model and an adapter named by hub repo id load offline from the hub cache."""
     import huggingface_hub.constants as hub
