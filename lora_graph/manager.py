@@ -174,6 +174,28 @@ class LoRAManager:
         src = resolve_adapter(path)
         return self.reader.info(path, src)
 
+    def check_adapter(self, path: str, *, name: str | None = None) -> AdapterInfo:
+        """Validate the adapter at ``path`` from its ``adapter_config.json`` and safetensors
+        header alone (no tensor data is read; a ``.bin`` checkpoint has no header and is
+        read whole), as :meth:`load_adapter` would before loading it. Its saved base
+        weights, if any, are compared with the model's only at load.
+
+        Returns:
+            its :class:`AdapterInfo`.
+
+        Raises:
+            AdapterError: naming the module and the cause: ``use_dora``, a ``bias`` other
+                than ``"none"``, ``modules_to_save``, no LoRA tensors, a rank above
+                ``max_rank``, a module outside the served targets, or a shape that does not
+                fit its target.
+        """
+        label = name or path
+        src = resolve_adapter(path)
+        self.reader.check_config(label, src.config)
+        info = self.reader.info(label, src)
+        self.reader.check(label, info, max_rank=self.config.max_rank)
+        return info
+
     def load_adapter(self, path: str, *, name: str | None = None, pin: bool = False) -> LoRAStatus:
         """Load one adapter into the host tier (``"name=path"``, or ``path`` as its name).
 

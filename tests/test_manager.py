@@ -151,6 +151,16 @@ def test_bad_adapter_is_refused_with_its_cause(tiny, tmp_path, case, match):
     if match is None:  # a config r that disagrees with the tensors is not an error: shapes rule
         pipe.manager.load_adapter(str(path), name="bad")
         return
+    if "differs" not in match:  # everything but a base-weight comparison shows in the header
+        import lora_graph.checkpoint as checkpoint
+
+        def no_data(*args):
+            raise AssertionError("check_adapter read tensor data")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(checkpoint, "_load_tensors", no_data)
+            with pytest.raises(AdapterError, match=match):
+                pipe.manager.check_adapter(str(path), name="bad")
     with pytest.raises(AdapterError, match=match) as e:
         pipe.manager.load_adapter(str(path), name="bad")
     assert "'bad'" in str(e.value)
