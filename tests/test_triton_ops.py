@@ -507,6 +507,36 @@ def test_fake_registration_and_compile(pools):
                                                        list(t.out_slices), *froute) is None
 
 
+@interp
+@pytest.mark.parametrize("dtype, slot_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtype):
+    """The whole model on the Triton backend (interpreted) against the torch reference ops,
+    on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
+    Triton one), the per-request LM head; and float32 slots under a bfloat16 model."""
+    from conftest import make_pipeline, prompts
+    from test_parity import MIX, run_prefill
+
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    t = tiny_factory("tied")
+    pipe = LlamaPipeline(str(t.base), dtype=dtype, max_batch_size=8, max_seq_len=64,
+                         lora=LoRAConfig(max_slots=4, max_rank=16, backend="triton", dtype=slot_dtype))
+    for name, path in t.adapters.items():
+        pipe.manager.load_adapter(str(path), name=name)
+    assert pipe.manager.kernels[0] is T.lora_shrink_triton
+    batch = prompts(len(MIX), seed=61)
+    got = run_prefill(pipe, batch, MIX)
+    want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
+    truth = run_prefill(make_pipeline(t), batch, MIX)
+    for adapter, g, w, f in zip(MIX, got, want, truth, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, a=adapter: f"{a}: {m}")
+        else:  # bfloat16: as far from float32 as the torch backend is, give or take rounding order
+            err, err_torch = (float((x.float() - f).norm() / f.norm()) for x in (g, w))
+            assert err <= 1.5 * err_torch + 2e-3, (adapter, err, err_torch)
+
+
 def test_interpreter_suite_in_subprocess():
     """Runs the interpreter tests in a fresh process when they could not run in this one."""
     if INTERPRETED:
