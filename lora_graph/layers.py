@@ -55,10 +55,15 @@ class LoRALinear(_SlotBlocks):
 
     A ``per_segment`` target (an LM head) given a 2-D ``x`` ``[requests, in_features]`` is
     routed by request (``BoundInputs.segments``); given ``[B, T, in_features]``, by token.
+
+    With kernels that have a side-stream pair (Triton) and at most ``DELTA_MAX_ROWS`` rows
+    (decode), the delta is started on a side stream before the base linear and added after
+    it (``y + d`` in float32, rounded once), so the LoRA kernels overlap the base GEMM;
+    otherwise shrink and expand run after the base linear, into its output.
     """
 
     def __init__(self, base: nn.Linear, *, target_name: str, target: LoraTarget, layer: int,
-                 layout: SlotLayout, bound: BoundInputs, kernels: tuple[Any, Any] = (ops.lora_shrink, ops.lora_expand_)) -> None:
+                 layout: SlotLayout, bound: BoundInputs, kernels: ops.Kernels | None = None) -> None:
         super().__init__()
         if base.in_features != target.in_features or base.out_features != target.out_features:
             raise ValueError(f"{target_name} layer {layer}: base linear {base.in_features}->{base.out_features} "
@@ -73,18 +78,25 @@ class LoRALinear(_SlotBlocks):
         self._a_block = (layout.blocks[(target_name, layer)][0], target.num_slices * layout.max_rank * target.in_features)
         self._b_block = (layout.blocks[(target_name, layer)][1], target.out_features * layout.max_rank)
         self._bound = bound
-        self._shrink, self._expand = kernels
+        kernels = kernels or ops.Kernels(ops.lora_shrink, ops.lora_expand_)
+        self._shrink, self._expand = kernels.shrink, kernels.expand
+        self._fork, self._join = kernels.delta_fork, kernels.delta_join
         self.a_slots: list[Tensor] = []
         self.b_slots: list[Tensor] = []
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base(x)
         routing = self._bound.routing
         if routing is None:
-            return y
+            return self.base(x)
         if self.per_segment and x.dim() == 2:
             routing = self._bound.segments
         x2 = x.reshape(-1, x.shape[-1])
+        if self._fork is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
+            d, h = self._fork(x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
+            y = self.base(x)
+            self._join(y, d, h)
+            return (y + d.view(y.shape)).to(y.dtype)
+        y = self.base(x)
         y2 = y.view(-1, y.shape[-1])
         h = self._shrink(x2, self.a_slots, 0, self.num_slices, self.max_rank, *routing)
         self._expand(y2, h, self.b_slots, 0, self.out_slices, *routing)

@@ -555,7 +555,7 @@ class LoRAManager:
                     if not isinstance(base, nn.Embedding):
                         raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Embedding")
                     lora = LoRAEmbedding(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
-                                         bound=self._bound, expand=self.kernels[1])
+                                         bound=self._bound, expand=self.kernels.expand)
                 else:
                     if not isinstance(base, nn.Linear):
                         raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")

@@ -20,10 +20,15 @@ target's A block starts at ``a_offset`` in every slot, shaped
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+# Row counts up to which :class:`~lora_graph.layers.LoRALinear` computes its LoRA delta on
+# a side stream beside the base linear (decode), when the backend has the side-stream ops;
+# above it, shrink + expand run in place after the base linear.
+DELTA_MAX_ROWS = 64
 
 
 def slot_pool_view(slots: list[Tensor], offset: int, shape: tuple[int, ...]) -> Tensor:
@@ -171,23 +176,36 @@ def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
     return None
 
 
-def kernels(backend: str, device: torch.device) -> tuple[Any, Any]:
-    """The ``(shrink, expand_)`` ops of a backend: ``"torch"`` (the reference above),
-    ``"triton"`` (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is
-    installed, else the reference). The fused one-launch ``lora_apply_triton_`` is not
-    used: it measured slower than the pair on the H200 (bench/RESULTS.md).
+class Kernels(NamedTuple):
+    """The ops a backend serves LoRA with: ``shrink`` / ``expand`` (in place), and for the
+    Triton backend the side-stream pair ``delta_fork`` / ``delta_join`` that decode-sized
+    calls use (None for the torch reference)."""
+
+    shrink: Any
+    expand: Any
+    delta_fork: Any = None
+    delta_join: Any = None
+
+
+def kernels(backend: str, device: torch.device) -> Kernels:
+    """The :class:`Kernels` of a backend: ``"torch"`` (the reference above), ``"triton"``
+    (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is installed,
+    else the reference). The fused one-launch ``lora_apply_triton_`` is not used: it
+    measured slower than the pair on the H200 (bench/RESULTS.md).
 
     Raises:
         ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
             (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
     """
+    reference = Kernels(lora_shrink, lora_expand_)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return lora_shrink, lora_expand_
+        return reference
     from lora_graph import triton_ops
 
-    triton_kernels = (triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_)
+    triton_kernels = Kernels(triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_,
+                             triton_ops.lora_delta_fork, triton_ops.lora_delta_join_)
     if backend == "auto":
-        return triton_kernels if triton_ops.HAVE_TRITON else (lora_shrink, lora_expand_)
+        return triton_kernels if triton_ops.HAVE_TRITON else reference
     if backend == "triton":
         if not triton_ops.HAVE_TRITON:
             raise ValueError("backend='triton' but Triton is not installed")

@@ -87,7 +87,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lora_graph.ops import slot_pool_view
+from lora_graph.ops import DELTA_MAX_ROWS, slot_pool_view
 
 try:  # pragma: no cover - exercised by the environment, not by a test
     import triton
@@ -108,11 +108,14 @@ __all__ = [
     "ShrinkConfig",
     "expand_config",
     "fused_config",
+    "DELTA_MAX_ROWS",
     "interpreted",
     "launch_expand",
     "launch_fused",
     "launch_shrink",
     "lora_apply_triton_",
+    "lora_delta_fork",
+    "lora_delta_join_",
     "lora_expand_triton_",
     "lora_shrink_triton",
     "shrink_config",
@@ -962,4 +965,97 @@ def lora_apply_triton_(
 
 @lora_apply_triton_.register_fake
 def _(y, x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids, grouped_offsets, end):
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# the LoRA delta on a side stream (decode): fork before the base linear, join after it
+# --------------------------------------------------------------------------------------
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream of a CUDA device (one per device, made on first use); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+@torch.library.custom_op("lora_graph::lora_delta_fork", mutates_args=())
+def lora_delta_fork(
+    x: Tensor,
+    a_slots: list[Tensor],
+    b_slots: list[Tensor],
+    a_offset: int,
+    b_offset: int,
+    num_slices: int,
+    max_rank: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Start ``d[t, slice_s] = (x[t] @ A[slot(t), s].T) @ B[slot(t), slice_s].T`` for rows
+    ``t < end`` (0 elsewhere) on the device's side stream, and return at once.
+
+    The caller runs the base linear meanwhile on its own stream, then calls
+    :func:`lora_delta_join_` before reading ``d``: at decode the LoRA kernels (memset,
+    shrink, expand) then overlap the base GEMM instead of following it. Without CUDA (the
+    Triton interpreter) the work runs inline.
+
+    Args:
+        x: ``[N, in_features]`` activations.
+        a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices: as
+            :func:`lora_apply_triton_`.
+        lora_ids, grouped_offsets, end: the routing triple.
+
+    Returns:
+        ``(d, h)``: the delta ``[N, sum(out_slices)]`` float32 and the shrink's
+        ``[num_slices, N, max_rank]`` float32 (pass both to :func:`lora_delta_join_`,
+        which keeps ``h`` alive until the side stream is done with it). Both are
+        allocated on the caller's stream and written on the side stream.
+    """
+    _require_triton()
+    n, in_features = x.shape
+    d = torch.empty((n, sum(out_slices)), dtype=torch.float32, device=x.device)
+    h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+    a = slot_pool_view(a_slots, a_offset, (num_slices * max_rank, in_features))
+    b = slot_pool_view(b_slots, b_offset, (sum(out_slices), max_rank))
+    side = _side_stream(x.device)
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        ctx = torch.cuda.stream(side)
+    with ctx:
+        h.zero_()
+        launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+        d.zero_()
+        launch_expand(d, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+    return d, h
+
+
+@lora_delta_fork.register_fake
+def _(x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids, grouped_offsets, end):
+    return (x.new_empty((x.shape[0], sum(out_slices)), dtype=torch.float32),
+            x.new_empty((num_slices, x.shape[0], max_rank), dtype=torch.float32))
+
+
+@torch.library.custom_op("lora_graph::lora_delta_join_", mutates_args=("d",))
+def lora_delta_join_(y: Tensor, d: Tensor, h: Tensor) -> None:
+    """Make the caller's stream wait for the side stream's work, so ``d`` (from
+    :func:`lora_delta_fork`) is ready. ``y``, the base linear's output, is an argument
+    only to order the join after the base linear in a compiled graph; ``d`` is declared
+    mutated so that every read of it is ordered after the join."""
+    side = _side_stream(d.device)
+    if side is not None:
+        torch.cuda.current_stream(d.device).wait_stream(side)
+
+
+@lora_delta_join_.register_fake
+def _(y, d, h):
     return None

@@ -508,13 +508,16 @@ def test_fake_registration_and_compile(pools):
 
 
 @interp
-@pytest.mark.parametrize("dtype, slot_dtype", [(torch.float32, None), (torch.bfloat16, torch.float32)])
-def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtype):
+@pytest.mark.parametrize("dtype, slot_dtype, max_len", [(torch.float32, None, 8), (torch.float32, None, 16),
+                                                        (torch.bfloat16, torch.float32, 8)])
+def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtype, max_len):
     """The whole model on the Triton backend (interpreted) against the torch reference ops,
     on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
-    Triton one), the per-request LM head; and float32 slots under a bfloat16 model."""
+    Triton one), the per-request LM head; and float32 slots under a bfloat16 model. Up to
+    ``DELTA_MAX_ROWS`` rows the delta is forked and joined (on a side stream on CUDA);
+    above, shrink and expand run in place."""
     from conftest import make_pipeline, prompts
-    from test_parity import MIX, run_prefill
+    from test_parity import MIX, OpCounter, run_prefill
 
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
@@ -525,8 +528,11 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     for name, path in t.adapters.items():
         pipe.manager.load_adapter(str(path), name=name)
     assert pipe.manager.kernels[0] is T.lora_shrink_triton
-    batch = prompts(len(MIX), seed=61)
-    got = run_prefill(pipe, batch, MIX)
+    batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
+    with OpCounter() as calls:
+        got = run_prefill(pipe, batch, MIX)
+    forks = sum("lora_delta_fork" in n for n in calls.names)
+    assert forks == (9 if len(MIX) * max_len <= ops.DELTA_MAX_ROWS else 0)  # 4 targets x 2 layers + LM head
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
     for adapter, g, w, f in zip(MIX, got, want, truth, strict=True):
