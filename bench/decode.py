@@ -154,6 +154,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="LoRA kernels")
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--targets", default="all", choices=["all", "linears"],
+                        help="served targets: all the model's (the default config: with the embedding and LM head) "
+                             "or the four linear families only")
+    parser.add_argument("--no-side-stream", action="store_true",
+                        help="run decode LoRA in place after each base linear instead of on the side stream")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -189,7 +194,8 @@ def main() -> None:
     common = dict(dtype=torch.bfloat16, device=device, max_batch_size=max_batch, max_seq_len=args.context + 64, weights=weights)
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                      "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "floor_ms": floor_ms,
-                     "mode": args.mode, "backend": args.backend, "rows": []}
+                     "mode": args.mode, "backend": args.backend, "targets": args.targets,
+                     "side_stream": not args.no_side_stream, "rows": []}
 
     t0 = time.time()
     plain = LlamaPipeline(str(work / "base"), **common)
@@ -200,7 +206,13 @@ def main() -> None:
     torch.cuda.empty_cache() if device.type == "cuda" else None
 
     t0 = time.time()
-    lora = LlamaPipeline(str(work / "base"), **common, lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend))
+    if args.no_side_stream:
+        import lora_graph.ops
+
+        lora_graph.ops.DELTA_MAX_ROWS = 0
+    targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    lora = LlamaPipeline(str(work / "base"), **common,
+                         lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend, targets=targets))
     lora.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
     print(f"(b-e) captured in {time.time() - t0:.1f} s", flush=True)
     t0 = time.time()
