@@ -94,7 +94,7 @@ class LoRALinear(_SlotBlocks):
         if self._fork is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
             d, h = self._fork(x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
             y = self.base(x)
-            self._join(y, d, h)
+            self._join(y, d, h, x2)  # x2, h and d stay allocated until the side stream is done
             return (y + d.view(y.shape)).to(y.dtype)
         y = self.base(x)
         y2 = y.view(-1, y.shape[-1])

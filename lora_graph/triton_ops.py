@@ -1016,9 +1016,9 @@ def lora_delta_fork(
 
     Returns:
         ``(d, h)``: the delta ``[N, sum(out_slices)]`` float32 and the shrink's
-        ``[num_slices, N, max_rank]`` float32 (pass both to :func:`lora_delta_join_`,
-        which keeps ``h`` alive until the side stream is done with it). Both are
-        allocated on the caller's stream and written on the side stream.
+        ``[num_slices, N, max_rank]`` float32. Pass both, and ``x``, to
+        :func:`lora_delta_join_`, which keeps them allocated until the side stream is done
+        with them. Both are allocated on the caller's stream and written on the side stream.
     """
     _require_triton()
     n, in_features = x.shape
@@ -1046,16 +1046,22 @@ def _(x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices,
 
 
 @torch.library.custom_op("lora_graph::lora_delta_join_", mutates_args=("d",))
-def lora_delta_join_(y: Tensor, d: Tensor, h: Tensor) -> None:
+def lora_delta_join_(y: Tensor, d: Tensor, h: Tensor, x: Tensor) -> None:
     """Make the caller's stream wait for the side stream's work, so ``d`` (from
-    :func:`lora_delta_fork`) is ready. ``y``, the base linear's output, is an argument
-    only to order the join after the base linear in a compiled graph; ``d`` is declared
-    mutated so that every read of it is ordered after the join."""
+    :func:`lora_delta_fork`) is ready.
+
+    ``y``, the base linear's output, is an argument only to order the join after the base
+    linear in a compiled graph; ``d`` is declared mutated so that every read of it is
+    ordered after the join. ``h`` and ``x`` (the fork's activations) are arguments so that
+    they stay allocated until the side stream is done with them: neither the caching
+    allocator nor a compiled graph's buffer reuse may hand their memory to the caller's
+    stream while the side stream still reads or writes it.
+    """
     side = _side_stream(d.device)
     if side is not None:
         torch.cuda.current_stream(d.device).wait_stream(side)
 
 
 @lora_delta_join_.register_fake
-def _(y, d, h):
+def _(y, d, h, x):
     return None
