@@ -92,10 +92,11 @@ class LoRALinear(_SlotBlocks):
             routing = self._bound.segments
         x2 = x.reshape(-1, x.shape[-1])
         if self._fork is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
-            d, h = self._fork(x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
+            buf = self._fork(x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
             y = self.base(x)
-            self._join(y, d, h, x2)  # x2, h and d stay allocated until the side stream is done
-            return (y + d.view(y.shape)).to(y.dtype)
+            self._join(y, buf, x2)  # x2 and buf stay allocated until the side stream is done
+            d = buf[: y.numel()].view(y.shape)
+            return (y + d).to(y.dtype)
         y = self.base(x)
         y2 = y.view(-1, y.shape[-1])
         h = self._shrink(x2, self.a_slots, 0, self.num_slices, self.max_rank, *routing)

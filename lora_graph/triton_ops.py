@@ -999,12 +999,12 @@ def lora_delta_fork(
     lora_ids: Tensor,
     grouped_offsets: Tensor,
     end: Tensor,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """Start ``d[t, slice_s] = (x[t] @ A[slot(t), s].T) @ B[slot(t), slice_s].T`` for rows
     ``t < end`` (0 elsewhere) on the device's side stream, and return at once.
 
     The caller runs the base linear meanwhile on its own stream, then calls
-    :func:`lora_delta_join_` before reading ``d``: at decode the LoRA kernels (memset,
+    :func:`lora_delta_join_` before reading ``d``: at decode the LoRA kernels (one memset,
     shrink, expand) then overlap the base GEMM instead of following it. Without CUDA (the
     Triton interpreter) the work runs inline.
 
@@ -1015,53 +1015,56 @@ def lora_delta_fork(
         lora_ids, grouped_offsets, end: the routing triple.
 
     Returns:
-        ``(d, h)``: the delta ``[N, sum(out_slices)]`` float32 and the shrink's
-        ``[num_slices, N, max_rank]`` float32. Pass both, and ``x``, to
-        :func:`lora_delta_join_`, which keeps them allocated until the side stream is done
-        with them. Both are allocated on the caller's stream and written on the side stream.
+        one flat float32 buffer: ``d`` ``[N, sum(out_slices)]`` (its first
+        ``N * sum(out_slices)`` elements, row-major), then the shrink's ``h``
+        ``[num_slices, N, max_rank]``; one buffer so that one memset clears both.
+        Allocated on the caller's stream and written on the side stream: pass it, and
+        ``x``, to :func:`lora_delta_join_`, which keeps both allocated until the side
+        stream is done with them.
     """
     _require_triton()
     n, in_features = x.shape
-    d = torch.empty((n, sum(out_slices)), dtype=torch.float32, device=x.device)
-    h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+    out_features = sum(out_slices)
+    buf = torch.empty(n * out_features + num_slices * n * max_rank, dtype=torch.float32, device=x.device)
+    d = buf[: n * out_features].view(n, out_features)
+    h = buf[n * out_features :].view(num_slices, n, max_rank)
     a = slot_pool_view(a_slots, a_offset, (num_slices * max_rank, in_features))
-    b = slot_pool_view(b_slots, b_offset, (sum(out_slices), max_rank))
+    b = slot_pool_view(b_slots, b_offset, (out_features, max_rank))
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
         ctx = torch.cuda.stream(side)
     with ctx:
-        h.zero_()
+        buf.zero_()
         launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
-        d.zero_()
         launch_expand(d, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
-    return d, h
+    return buf
 
 
 @lora_delta_fork.register_fake
 def _(x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids, grouped_offsets, end):
-    return (x.new_empty((x.shape[0], sum(out_slices)), dtype=torch.float32),
-            x.new_empty((num_slices, x.shape[0], max_rank), dtype=torch.float32))
+    n = x.shape[0]
+    return x.new_empty((n * sum(out_slices) + num_slices * n * max_rank,), dtype=torch.float32)
 
 
-@torch.library.custom_op("lora_graph::lora_delta_join_", mutates_args=("d",))
-def lora_delta_join_(y: Tensor, d: Tensor, h: Tensor, x: Tensor) -> None:
-    """Make the caller's stream wait for the side stream's work, so ``d`` (from
-    :func:`lora_delta_fork`) is ready.
+@torch.library.custom_op("lora_graph::lora_delta_join_", mutates_args=("buf",))
+def lora_delta_join_(y: Tensor, buf: Tensor, x: Tensor) -> None:
+    """Make the caller's stream wait for the side stream's work, so the delta in ``buf``
+    (from :func:`lora_delta_fork`) is ready.
 
     ``y``, the base linear's output, is an argument only to order the join after the base
-    linear in a compiled graph; ``d`` is declared mutated so that every read of it is
-    ordered after the join. ``h`` and ``x`` (the fork's activations) are arguments so that
-    they stay allocated until the side stream is done with them: neither the caching
+    linear in a compiled graph; ``buf`` is declared mutated so that every read of it is
+    ordered after the join. ``buf`` and ``x`` (the fork's activations) are arguments so
+    that they stay allocated until the side stream is done with them: neither the caching
     allocator nor a compiled graph's buffer reuse may hand their memory to the caller's
     stream while the side stream still reads or writes it.
     """
-    side = _side_stream(d.device)
+    side = _side_stream(buf.device)
     if side is not None:
-        torch.cuda.current_stream(d.device).wait_stream(side)
+        torch.cuda.current_stream(buf.device).wait_stream(side)
 
 
 @lora_delta_join_.register_fake
-def _(y, d, h, x):
+def _(y, buf, x):
     return None
