@@ -56,9 +56,9 @@ class LoRALinear(_SlotBlocks):
     A ``per_segment`` target (an LM head) given a 2-D ``x`` ``[requests, in_features]`` is
     routed by request (``BoundInputs.segments``); given ``[B, T, in_features]``, by token.
 
-    With kernels that have a side-stream pair (Triton) and at most ``DELTA_MAX_ROWS`` rows
-    (decode), the delta is started on a side stream before the base linear and added after
-    it (``y + d`` in float32, rounded once), so the LoRA kernels overlap the base GEMM;
+    With kernels that have ``linear_delta`` (Triton) and at most ``DELTA_MAX_ROWS`` rows
+    (decode), the base linear and the delta run in one op, the delta on a side stream
+    overlapping the base GEMM, and are added after it (``y + d`` in float32, rounded once);
     otherwise shrink and expand run after the base linear, into its output.
     """
 
@@ -80,7 +80,7 @@ class LoRALinear(_SlotBlocks):
         self._bound = bound
         kernels = kernels or ops.Kernels(ops.lora_shrink, ops.lora_expand_)
         self._shrink, self._expand = kernels.shrink, kernels.expand
-        self._fork, self._join = kernels.delta_fork, kernels.delta_join
+        self._linear_delta = kernels.linear_delta
         self.a_slots: list[Tensor] = []
         self.b_slots: list[Tensor] = []
 
@@ -91,12 +91,11 @@ class LoRALinear(_SlotBlocks):
         if self.per_segment and x.dim() == 2:
             routing = self._bound.segments
         x2 = x.reshape(-1, x.shape[-1])
-        if self._fork is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
-            buf = self._fork(x2, self.a_slots, self.b_slots, 0, 0, self.num_slices, self.max_rank, self.out_slices, *routing)
-            y = self.base(x)
-            self._join(y, buf, x2)  # x2 and buf stay allocated until the side stream is done
+        if self._linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
+            y, buf = self._linear_delta(x2, self.base.weight, self.base.bias, self.a_slots, self.b_slots, 0, 0,
+                                        self.num_slices, self.max_rank, self.out_slices, *routing)
             d = buf[: y.numel()].view(y.shape)
-            return (y + d).to(y.dtype)
+            return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = self.base(x)
         y2 = y.view(-1, y.shape[-1])
         h = self._shrink(x2, self.a_slots, 0, self.num_slices, self.max_rank, *routing)

@@ -178,13 +178,12 @@ def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
 
 class Kernels(NamedTuple):
     """The ops a backend serves LoRA with: ``shrink`` / ``expand`` (in place), and for the
-    Triton backend the side-stream pair ``delta_fork`` / ``delta_join`` that decode-sized
-    calls use (None for the torch reference)."""
+    Triton backend ``linear_delta`` (the base linear with the LoRA delta overlapping it on a
+    side stream) that decode-sized calls use (None for the torch reference)."""
 
     shrink: Any
     expand: Any
-    delta_fork: Any = None
-    delta_join: Any = None
+    linear_delta: Any = None
 
 
 def kernels(backend: str, device: torch.device) -> Kernels:
@@ -202,8 +201,7 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         return reference
     from lora_graph import triton_ops
 
-    triton_kernels = Kernels(triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_,
-                             triton_ops.lora_delta_fork, triton_ops.lora_delta_join_)
+    triton_kernels = Kernels(triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, triton_ops.lora_linear_delta)
     if backend == "auto":
         return triton_kernels if triton_ops.HAVE_TRITON else reference
     if backend == "triton":

@@ -114,8 +114,7 @@ __all__ = [
     "launch_fused",
     "launch_shrink",
     "lora_apply_triton_",
-    "lora_delta_fork",
-    "lora_delta_join_",
+    "lora_linear_delta",
     "lora_expand_triton_",
     "lora_shrink_triton",
     "shrink_config",
@@ -986,9 +985,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-@torch.library.custom_op("lora_graph::lora_delta_fork", mutates_args=())
-def lora_delta_fork(
+@torch.library.custom_op("lora_graph::lora_linear_delta", mutates_args=())
+def lora_linear_delta(
     x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
     a_slots: list[Tensor],
     b_slots: list[Tensor],
     a_offset: int,
@@ -999,28 +1000,31 @@ def lora_delta_fork(
     lora_ids: Tensor,
     grouped_offsets: Tensor,
     end: Tensor,
-) -> Tensor:
-    """Start ``d[t, slice_s] = (x[t] @ A[slot(t), s].T) @ B[slot(t), slice_s].T`` for rows
-    ``t < end`` (0 elsewhere) on the device's side stream, and return at once.
+) -> tuple[Tensor, Tensor]:
+    """The base linear ``y = x @ weight.T + bias`` and, overlapping it on the device's side
+    stream, the LoRA delta ``d[t, slice_s] = (x[t] @ A[slot(t), s].T) @ B[slot(t), slice_s].T``
+    for rows ``t < end`` (0 elsewhere). The caller adds them: ``y + d`` in float32, which a
+    compiled graph fuses into the next pointwise op.
 
-    The caller runs the base linear meanwhile on its own stream, then calls
-    :func:`lora_delta_join_` before reading ``d``: at decode the LoRA kernels (one memset,
-    shrink, expand) then overlap the base GEMM instead of following it. Without CUDA (the
-    Triton interpreter) the work runs inline.
+    At decode the LoRA kernels (one memset, shrink, expand) then run beside the base GEMM
+    instead of after it. One op, so that a compiler cannot schedule the GEMM before the
+    side-stream work is started; it returns after the caller's stream has been made to wait
+    for the side stream, so both outputs are ready for whatever the caller enqueues next.
+    Without CUDA (the Triton interpreter) everything runs inline.
 
     Args:
         x: ``[N, in_features]`` activations.
+        weight, bias: the base linear's ``[sum(out_slices), in_features]`` weight and
+            optional ``[sum(out_slices)]`` bias.
         a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices: as
             :func:`lora_apply_triton_`.
         lora_ids, grouped_offsets, end: the routing triple.
 
     Returns:
-        one flat float32 buffer: ``d`` ``[N, sum(out_slices)]`` (its first
-        ``N * sum(out_slices)`` elements, row-major), then the shrink's ``h``
-        ``[num_slices, N, max_rank]``; one buffer so that one memset clears both.
-        Allocated on the caller's stream and written on the side stream: pass it, and
-        ``x``, to :func:`lora_delta_join_`, which keeps both allocated until the side
-        stream is done with them.
+        ``(y, buf)``: the base output ``[N, sum(out_slices)]`` in ``x``'s dtype, and one flat
+        float32 buffer holding ``d`` ``[N, sum(out_slices)]`` (its first
+        ``N * sum(out_slices)`` elements, row-major) then the shrink's ``h``
+        ``[num_slices, N, max_rank]`` (one buffer, so one memset clears both).
     """
     _require_triton()
     n, in_features = x.shape
@@ -1033,38 +1037,22 @@ def lora_delta_fork(
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
         ctx = torch.cuda.stream(side)
     with ctx:
         buf.zero_()
         launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
         launch_expand(d, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
-    return buf
-
-
-@lora_delta_fork.register_fake
-def _(x, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids, grouped_offsets, end):
-    n = x.shape[0]
-    return x.new_empty((n * sum(out_slices) + num_slices * n * max_rank,), dtype=torch.float32)
-
-
-@torch.library.custom_op("lora_graph::lora_delta_join_", mutates_args=("buf",))
-def lora_delta_join_(y: Tensor, buf: Tensor, x: Tensor) -> None:
-    """Make the caller's stream wait for the side stream's work, so the delta in ``buf``
-    (from :func:`lora_delta_fork`) is ready.
-
-    ``y``, the base linear's output, is an argument only to order the join after the base
-    linear in a compiled graph; ``buf`` is declared mutated so that every read of it is
-    ordered after the join. ``buf`` and ``x`` (the fork's activations) are arguments so
-    that they stay allocated until the side stream is done with them: neither the caching
-    allocator nor a compiled graph's buffer reuse may hand their memory to the caller's
-    stream while the side stream still reads or writes it.
-    """
-    side = _side_stream(buf.device)
+    y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
-        torch.cuda.current_stream(buf.device).wait_stream(side)
+        main.wait_stream(side)  # x, buf: allocated on main, so they outlive the side work
+    return y, buf
 
 
-@lora_delta_join_.register_fake
-def _(y, buf, x):
-    return None
+@lora_linear_delta.register_fake
+def _(x, weight, bias, a_slots, b_slots, a_offset, b_offset, num_slices, max_rank, out_slices, lora_ids,
+      grouped_offsets, end):
+    n = x.shape[0]
+    return (x.new_empty((n, weight.shape[0])),
+            x.new_empty((n * sum(out_slices) + num_slices * n * max_rank,), dtype=torch.float32))

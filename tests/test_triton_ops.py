@@ -514,8 +514,8 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     """The whole model on the Triton backend (interpreted) against the torch reference ops,
     on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
     Triton one), the per-request LM head; and float32 slots under a bfloat16 model. Up to
-    ``DELTA_MAX_ROWS`` rows the delta is forked and joined (on a side stream on CUDA);
-    above, shrink and expand run in place."""
+    ``DELTA_MAX_ROWS`` rows the base linear and the delta run in ``lora_linear_delta`` (the
+    delta on a side stream on CUDA); above, shrink and expand run in place."""
     from conftest import make_pipeline, prompts
     from test_parity import MIX, OpCounter, run_prefill
 
@@ -531,7 +531,7 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     with OpCounter() as calls:
         got = run_prefill(pipe, batch, MIX)
-    forks = sum("lora_delta_fork" in n for n in calls.names)
+    forks = sum("lora_linear_delta" in n for n in calls.names)
     assert forks == (9 if len(MIX) * max_len <= ops.DELTA_MAX_ROWS else 0)  # 4 targets x 2 layers + LM head
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
