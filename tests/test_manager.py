@@ -64,12 +64,14 @@ def test_scale_applied_once_and_source_unchanged(tiny):
     assert b[q + kv :, 4:].abs().sum() == 0
 
 
-def test_slot_reuse_keeps_nothing_of_previous_owner(tiny):
-    """An all-linear rank-8 adapter leaves the slot; a q/v-only rank-4 one takes it."""
+@pytest.mark.parametrize("previous", ["A", "D"])
+def test_slot_reuse_keeps_nothing_of_previous_owner(tiny, previous):
+    """An all-linear rank-8 adapter (A), or one on the embedding, LM head, q and down (D),
+    leaves the slot; a q/v-only rank-4 one takes it."""
     pipe = make_pipeline(tiny, max_slots=1)
     m = pipe.manager
     batch = prompts(2, seed=21)
-    slot = m.activate_adapter("A")
+    slot = m.activate_adapter(previous)
     assert m.pool[slot].abs().sum() > 0
     assert m.activate_adapter("B") == slot
     only_b = make_pipeline(tiny, max_slots=1, load=("B",))
