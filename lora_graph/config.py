@@ -9,7 +9,16 @@ import torch
 
 
 class AdapterError(ValueError):
-    """An adapter this engine cannot serve; the message names the adapter and the cause."""
+    """An adapter this engine cannot serve; the message names the adapter and the cause.
+
+    ``adapter`` is the routing key of a registered adapter that failed while serving (its
+    weights could not be read back into a slot), so the engine can fail its requests alone;
+    None for a refusal at load time.
+    """
+
+    def __init__(self, message: str, *, adapter: str | None = None) -> None:
+        super().__init__(message)
+        self.adapter = adapter
 
 
 class AdapterInfo(NamedTuple):

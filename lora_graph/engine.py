@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_graph.config import LoraReqConfig
+from lora_graph.config import AdapterError, LoraReqConfig
 from lora_graph.manager import AdapterRef
 from lora_graph.pipeline import PipelineModelWithKVCache
 
@@ -195,16 +195,48 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def step(self) -> None:
-        """Run one prefill (if requests were admitted) or one decode step."""
+        """Run one prefill (if requests were admitted) or one decode step.
+
+        An adapter whose weights cannot be read back into a slot (its file was deleted or
+        changed after it left the host tier) fails its own requests with an ``error``; the
+        others are served on (admitted ones not yet prefilled go back to the queue).
+        """
         admitted = self._admit()
         if admitted:
-            if self.pipeline.graphs is not None:  # captured prefill graphs hold one request
-                for seq in admitted:
-                    self._prefill([seq])
-            else:
-                self._prefill(admitted)
+            # captured prefill graphs hold one request
+            groups = [[seq] for seq in admitted] if self.pipeline.graphs is not None else [admitted]
+            for i, group in enumerate(groups):
+                try:
+                    self._prefill(group)
+                except AdapterError as e:
+                    if e.adapter is None:
+                        raise
+                    self._fail_adapter(e.adapter, str(e), unstarted=[s for g in groups[i:] for s in g])
+                    return
         elif self.running:
-            self._decode()
+            try:
+                self._decode()
+            except AdapterError as e:
+                if e.adapter is None:
+                    raise
+                self._fail_adapter(e.adapter, str(e), unstarted=[])
+
+    def _fail_adapter(self, key: str, error: str, *, unstarted: list[_Sequence]) -> None:
+        """Finish every request routed to adapter version ``key`` with ``error``; requeue, at
+        the front and in order, the admitted requests of other adapters not yet prefilled."""
+        for seq in [s for s in self.running if s.adapter == key]:
+            self.running.remove(seq)
+            self._release(seq)
+            self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None, error)
+        requeue = []
+        for seq in unstarted:
+            failed = seq.adapter == key
+            self._release(seq)
+            if failed:
+                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, error=error)
+            else:
+                requeue.append(seq)
+        self.waiting.extendleft(reversed(requeue))
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         seqs = self.pipeline.manager.sort_lora_batch(seqs) if self.pipeline.manager else seqs

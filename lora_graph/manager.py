@@ -339,18 +339,36 @@ class LoRAManager:
         return image.pin_memory() if self.device.type == "cuda" else image
 
     def _touch_host(self, name: str) -> None:
+        """Mark ``name`` most recently used in the host tier and drop the least recently
+        used images beyond ``cpu_capacity``. Versions being unloaded or replaced keep their
+        image while requests still hold them: their files may be gone or rewritten, and
+        those requests must finish on them."""
         self._host_lru[name] = None
         self._host_lru.move_to_end(name)
         while len(self._host_lru) > self.config.cpu_capacity:
-            oldest = next(iter(self._host_lru))
-            self._host_lru.pop(oldest)
-            self._adapters[oldest].image = None
+            victim = next((k for k in self._host_lru if k != name and k not in self._unloading), None)
+            if victim is None:
+                break
+            self._host_lru.pop(victim)
+            self._adapters[victim].image = None
 
     def _host_image(self, entry: LoadedAdapter) -> Tensor:
+        """The adapter's host image, read back from its file if it left the host tier.
+
+        Raises:
+            AdapterError: with ``adapter`` set, if the file is gone, unreadable, or changed
+                since the adapter was loaded.
+        """
         if entry.image is None:
-            if entry.source.digest() != entry.digest:
-                raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
-            image, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+            try:
+                if entry.source.digest() != entry.digest:
+                    raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
+                image, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
+                                            dtype=self.dtype)
+            except (OSError, AdapterError) as e:
+                message = str(e) if isinstance(e, AdapterError) else (
+                    f"adapter {entry.name!r}: cannot read it back from {entry.source.weights_path} ({e})")
+                raise AdapterError(message, adapter=entry.name) from e
             entry.image = self._to_host(image)
         self._touch_host(entry.name)
         return entry.image
@@ -364,6 +382,8 @@ class LoRAManager:
         Raises:
             KeyError: if ``name`` is not loaded.
             NoFreeSlotError: if every slot is pinned or in use by the running batch.
+            AdapterError: with ``adapter=name``, if its weights left the host tier and cannot
+                be read back (the file is gone or changed).
         """
         entry = self.adapter(name)
         slot = self._active.get(name)

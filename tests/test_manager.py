@@ -305,6 +305,65 @@ def test_abort_releases_the_adapter_hold(tiny):
     assert "C" not in m._adapters and not m.is_active_lora("C") and m._holds == {}
 
 
+def test_adapter_whose_file_vanished_fails_its_requests_only(tiny, tmp_path, reference_factory):
+    """An adapter that left the host tier and whose directory was then deleted cannot be
+    read back into a slot: its requests finish with an error naming it, the rest run on."""
+    from lora_graph import LoRAConfig
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+    from lora_graph.models import LlamaPipeline
+
+    ref = reference_factory(tiny)
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
+                         lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1))
+    shutil.copytree(tiny.adapters["A"], tmp_path / "x")
+    pipe.manager.load_adapter(str(tmp_path / "x"), name="x")
+    pipe.manager.load_adapter(str(tiny.adapters["B"]), name="B")  # x's image leaves the host tier
+    shutil.rmtree(tmp_path / "x")
+    ids = prompts(3, seed=29)
+    sampling = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    reqs = [Request("b", ids[0], "B", sampling), Request("x", ids[1], "x", sampling), Request("base", ids[2], None, sampling)]
+    out = {o.id: o for o in LLMEngine(pipe).generate(reqs)}
+    assert "'x'" in out["x"].error and "cannot read it back" in out["x"].error
+    assert out["b"].token_ids == ref.greedy(ids[0], "B", 5)
+    assert out["base"].token_ids == ref.greedy(ids[2], None, 5)
+
+
+def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, reference_factory):
+    """Reloading ``x`` from its own, rewritten directory while a request runs on it: the old
+    version's image stays in the host tier (its file is gone), so the request finishes on
+    the old weights even when its slot is taken meanwhile."""
+    from lora_graph import LoRAConfig
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+    from lora_graph.models import LlamaPipeline
+
+    ref = reference_factory(tiny)
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
+                         lora=LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=1))
+    m = pipe.manager
+    shutil.copytree(tiny.adapters["A"], tmp_path / "x")
+    m.load_adapter(str(tmp_path / "x"), name="x")
+    m.load_adapter(str(tiny.adapters["B"]), name="B")
+    engine = LLMEngine(pipe)
+    ids = prompts(3, seed=30)
+    engine.add_request(Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(tiny.adapters["C"] / f, tmp_path / "x" / f)
+    m.load_adapter(str(tmp_path / "x"), name="x")
+    old_key = engine.running[0].adapter
+    assert old_key.startswith("x@") and m.adapter(old_key).image is not None
+    engine.add_request(Request("b", ids[1], "B", SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    engine.add_request(Request("new", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    loads = m.slot_loads
+    while engine.has_unfinished():
+        engine.step()
+    assert m.slot_loads > loads + 2  # slots changed hands while "old" ran
+    assert engine.finished["old"].token_ids == ref.greedy(ids[0], "A", 8)
+    assert engine.finished["b"].token_ids == ref.greedy(ids[1], "B", 3)
+    assert engine.finished["new"].token_ids == ref.greedy(ids[2], "C", 3)
+
+
 def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatch):
     """A model and an adapter named by hub repo id load offline from the hub cache."""
     import huggingface_hub.constants as hub
