@@ -31,7 +31,9 @@ from lora_graph.targets import LoraModuleRef, LoraTarget
 
 ModuleMap = Callable[[str], LoraModuleRef | None]
 
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B|embedding_A|embedding_B)(?:\.[^.]+)?(?:\.weight)?$")
+# lora_A / lora_B are Linear weights (``.weight``); lora_embedding_A / _B bare parameters;
+# either may carry PEFT's adapter-name infix (``lora_A.default.weight``)
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.[^.]+)?\.weight|(?P<emb>embedding_A|embedding_B)(?:\.[^.]+)?)$")
 _BASE_LAYER_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 _PREFIXES = ("base_model.model.",)
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -130,12 +132,12 @@ def parse_lora_key(key: str) -> tuple[str, str] | None:
     adapter-name infix: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
     gives ``("model.layers.0.self_attn.q_proj", "A")``."""
     m = _LORA_KEY.match(key)
-    if m is None:
+    if m is None or (m.group("emb") is None and key.endswith((".bias.weight",))):
         return None
     module = m.group("module")
     for prefix in _PREFIXES:
         module = module.removeprefix(prefix)
-    return module, m.group("ab")
+    return module, m.group("ab") or m.group("emb")
 
 
 def parse_base_layer_key(key: str) -> str | None:
@@ -165,6 +167,21 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+# adapter_config.json fields that plain LoRA serving reads or may ignore: every other field
+# must hold its PEFT default (None, False, empty), or the adapter is refused: it names a
+# LoRA variant (aLoRA, trainable tokens, LoRA bias, layer replication, QALoRA, ...) that
+# would be served wrong as plain LoRA.
+_CONFIG_FIELDS = frozenset({
+    "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
+    "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "exclude_modules", "layers_to_transform",
+    "layers_pattern", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "init_lora_weights", "bias", "use_dora",
+    "modules_to_save", "ensure_weight_tying", "megatron_core", "qalora_group_size", "eva_config",
+})
+# initialisations that rewrite the base weights (the adapter then needs that modified base)
+_BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "lora_ga")
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default
 
 
 @dataclass(frozen=True)
@@ -198,7 +215,9 @@ class AdapterReader:
 
         Raises:
             AdapterError: for ``use_dora``, a ``bias`` other than ``"none"``,
-                ``modules_to_save``, or a PEFT type other than LoRA.
+                ``modules_to_save``, a PEFT type other than LoRA, an initialisation that
+                rewrites the base weights (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA), or any
+                other config field set away from its default (a LoRA variant).
         """
         peft_type = config.get("peft_type", "LORA")
         if str(peft_type).upper() != "LORA":
@@ -209,6 +228,14 @@ class AdapterReader:
             raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
         if config.get("modules_to_save"):
             raise AdapterError(f"adapter {name!r}: modules_to_save {config['modules_to_save']} is not supported")
+        init = config.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+            raise AdapterError(f"adapter {name!r}: init_lora_weights={init!r} rewrites the base weights; convert it to "
+                               "plain LoRA first (PEFT: save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+        for key, value in config.items():
+            if key not in _CONFIG_FIELDS and value not in (None, False, 0, "", [], {}):
+                raise AdapterError(f"adapter {name!r}: adapter_config.json sets {key}={value!r}, a LoRA variant this "
+                                   "engine does not serve")
 
     def modules(self, name: str, src: AdapterSource, shapes: dict[str, tuple[int, ...]]) -> tuple[list[LoraModule], AdapterInfo]:
         """Pair the A and B of each module, place it, and compute its rank and scale.
@@ -222,14 +249,21 @@ class AdapterReader:
         cfg = src.config
         pairs: dict[str, dict[str, str]] = {}
         base_layers: dict[str, str] = {}
-        for key in shapes:
+        unknown: list[str] = []
+        for key in sorted(shapes):
             parsed = parse_lora_key(key)
             if parsed is not None:
                 pairs.setdefault(parsed[0], {})[parsed[1]] = key
             elif (base := parse_base_layer_key(key)) is not None:
                 base_layers[base] = key
+            else:
+                unknown.append(key)
+        if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
+            raise AdapterError(f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, DoRA "
+                               "magnitude, trainable tokens or a saved full layer?); only plain LoRA can be served")
         r_default = int(cfg.get("r", 0)) or None
-        alpha_default = cfg.get("lora_alpha")
+        # PEFT's default alpha when the config omits it; a bare file (no config): scale 1
+        alpha_default = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA if cfg else None)
         rank_pattern = cfg.get("rank_pattern") or {}
         alpha_pattern = cfg.get("alpha_pattern") or {}
         modules: list[LoraModule] = []

@@ -144,6 +144,18 @@ def _copy_adapter(src, dst, *, config=None, tensors=None):
          r"lm_head \(saved base weight \[130, 64\].*resized vocabulary"),
         (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.base_layer.weight": torch.randn(128, 64)}),
          "saved base weight of embed_tokens differs from the served model's"),
+        # LoRA variants that plain LoRA would serve wrong: by config field, or by a tensor it carries
+        (dict(config={"lora_bias": True}), "lora_bias=True, a LoRA variant"),
+        (dict(config={"trainable_token_indices": [5, 6]}), "trainable_token_indices=.*LoRA variant"),
+        (dict(config={"alora_invocation_tokens": [9, 10]}), "alora_invocation_tokens=.*LoRA variant"),
+        (dict(config={"layer_replication": [[0, 2], [1, 2]]}), "layer_replication=.*LoRA variant"),
+        (dict(config={"init_lora_weights": "pissa_niter_4"}), "rewrites the base weights"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)}),
+         r"tensor .*q_proj\.lora_B\.bias is not a LoRA A/B weight"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(64)}),
+         "lora_magnitude_vector is not a LoRA A/B weight"),
+        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.weight": torch.zeros(136, 64)}),
+         r"tensor .*embed_tokens\.weight is not a LoRA A/B weight"),
         (dict(tensors=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k}), "lora_B missing"),
     ],
 )

@@ -70,3 +70,33 @@ def test_half_precision_weights_and_adapter_name_infix(tiny, tmp_path, dtype):
     batch = prompts(1, seed=52)
     got, want = run_prefill(pipe, batch * 2, ["renamed", "cast"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
+    """An adapter_config.json without ``lora_alpha``: PEFT's default alpha (8) applies."""
+    src = tiny.adapters["A"]  # r=8, lora_alpha=16
+    out = tmp_path / "no_alpha"
+    out.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    (out / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(out), name="no_alpha")
+    batch = prompts(1, seed=52)
+    torch.testing.assert_close(run_prefill(pipe, batch, ["no_alpha"])[0], _peft_logits(tiny.base, out, batch)[0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_peft_trainable_tokens_adapter_is_refused(tiny, tmp_path):
+    """PEFT's trainable tokens beside LoRA (``trainable_token_indices``) change embedding rows
+    that plain LoRA does not: refused, never served without them."""
+    from lora_graph import AdapterError
+
+    path = make_peft_adapter(tiny.base, tmp_path / "tokens", seed=53, factor=1.0, r=4, lora_alpha=8,
+                             target_modules=["q_proj"], trainable_token_indices=[5, 6, 7])
+    pipe = make_pipeline(tiny, load=())
+    with pytest.raises(AdapterError, match="trainable_token_indices|token_adapter"):
+        pipe.manager.check_adapter(str(path), name="tokens")
+    with pytest.raises(AdapterError, match="trainable_token_indices|token_adapter"):
+        pipe.manager.load_adapter(str(path), name="tokens")
