@@ -8,6 +8,7 @@ slot in place; nothing is recompiled and no weight is re-bound.
 from __future__ import annotations
 
 import enum
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ class LoRAManager:
         """
         if name is None:
             name, _, rest = path.partition("=")
-            if rest:
+            if rest and not os.path.exists(path):  # an existing path may contain "=" itself
                 path = rest
             else:
                 name = path
@@ -225,14 +226,16 @@ class LoRAManager:
             raise AdapterError(f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected {expected[:12]}…")
         old = self._adapters.get(name)
         if old is not None and old.digest == digest:
+            if pin and not old.pinned:
+                self._check_pin(name)
+                old.pinned = True
+                self.activate_adapter(name)
             self._unloading.discard(name)
             return LoRAStatus.UNCHANGED
         image, rank = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
         self._check_saved_base(name, src)
         if pin:
-            pinned = sum(a.pinned for a in self._adapters.values() if a.name != name)
-            if pinned >= self.config.max_slots - 1:
-                raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
+            self._check_pin(name)
         if old is not None:
             if self._holds.get(name):
                 self._retire(name)
@@ -264,23 +267,52 @@ class LoRAManager:
                 raise AdapterError(f"adapter {name!r}: its saved base weight of {ref.target} differs from the served model's "
                                    "(trained with its own embedding or LM head?); only LoRA pairs can be served")
 
+    def _check_pin(self, name: str) -> None:
+        """Refuse a pin that would leave too few slots: at most ``max_slots - 1`` pinned, and
+        the adapters requests in flight hold must still fit beside the pinned ones (a decode
+        step names them all at once).
+
+        Raises:
+            NoFreeSlotError: naming the limit.
+        """
+        pinned = {a.name for a in self._adapters.values() if a.pinned and a.name != name}
+        if len(pinned) >= self.config.max_slots - 1:
+            raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
+        held = {key for key, holds in self._holds.items() if holds}
+        needed = held | pinned | {name}
+        if len(needed) > self.config.max_slots:
+            raise NoFreeSlotError(f"adapter {name!r}: pinning it would leave too few of the {self.config.max_slots} slots "
+                                  f"for the {len(held)} adapters that requests in flight use")
+
     def _retire(self, name: str) -> None:
-        """Move the current version of ``name`` to its own routing key, for the requests
-        that hold it; it is freed when they are done."""
+        """Move the current version of ``name`` to its own routing key ``name@<digest>``, for
+        the requests that hold it; it is freed when they are done. It keeps its slot, and a
+        host image (copied back from the slot if it had left the host tier: its file may be
+        rewritten). The same weights retired before and still held share that entry."""
         entry = self._adapters.pop(name)
         alias = f"{name}@{entry.digest[:12]}"
-        entry.name, entry.pinned = alias, False
-        self._adapters[alias] = entry
         slot = self._active.pop(name, None)
+        self._host_lru.pop(name, None)
+        if entry.image is None and slot is not None:
+            entry.image = self._to_host(self._slot_views[slot].to("cpu", copy=True))
+        existing = self._adapters.get(alias)
+        if existing is None:
+            entry.name, entry.pinned = alias, False
+            self._adapters[alias] = existing = entry
+        elif existing.image is None:
+            existing.image = entry.image
         if slot is not None:
-            self._active[alias] = slot
-            self._slot_owner[slot] = (alias, entry.digest)
-        if name in self._host_lru:
-            self._host_lru = OrderedDict((alias if k == name else k, None) for k in self._host_lru)
+            if alias in self._active:  # a duplicate of the same weights: free it
+                self._slot_owner[slot] = None
+            else:
+                self._active[alias] = slot
+                self._slot_owner[slot] = (alias, existing.digest)
+        if existing.image is not None:
+            self._host_lru[alias] = None  # kept while held: _touch_host spares unloading versions
         holds = self._holds.pop(name)
         for ref in holds:
             ref.key = alias
-        self._holds[alias] = holds
+        self._holds.setdefault(alias, []).extend(holds)
         self._unloading.add(alias)
 
     def acquire(self, name: str) -> AdapterRef:
@@ -399,14 +431,17 @@ class LoRAManager:
         return slot
 
     def _free_slot(self) -> int:
+        """A free slot, else the least recently used one whose adapter is neither pinned nor
+        in the running batch, preferring adapters no request in flight holds."""
         for slot in range(1, self.config.num_slots):
             if self._slot_owner[slot] is None:
                 return slot
-        for victim, slot in self._active.items():
-            if victim not in self._running and not self._adapters[victim].pinned:
-                del self._active[victim]
-                self._slot_owner[slot] = None
-                return slot
+        evictable = [(v, s) for v, s in self._active.items() if v not in self._running and not self._adapters[v].pinned]
+        if evictable:
+            victim, slot = next(((v, s) for v, s in evictable if not self._holds.get(v)), evictable[0])
+            del self._active[victim]
+            self._slot_owner[slot] = None
+            return slot
         raise NoFreeSlotError(f"all {self.config.max_slots} slots hold pinned adapters or adapters of the running batch")
 
     def can_activate(self, names: set[str]) -> bool:

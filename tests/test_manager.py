@@ -376,6 +376,100 @@ def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, refere
     assert engine.finished["new"].token_ids == ref.greedy(ids[2], "C", 3)
 
 
+def test_reloading_back_and_forth_in_flight(tiny, reference_factory):
+    """x = A, B, A, B while requests admitted under the two A versions still run: both finish
+    on A (the retired A versions share one entry), and no slot or hold is left behind."""
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+
+    ref = reference_factory(tiny)
+    engine = LLMEngine(make_pipeline(tiny, load=()))
+    m = engine.pipeline.manager
+    a, b = str(tiny.adapters["A"]), str(tiny.adapters["B"])
+    ids = prompts(2, seed=31)
+    m.load_adapter(a, name="x")
+    engine.add_request(Request("r0", ids[0], "x", SamplingParams(max_new_tokens=12, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    m.load_adapter(b, name="x")
+    m.load_adapter(a, name="x")
+    engine.add_request(Request("r2", ids[1], "x", SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    m.load_adapter(b, name="x")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["r0"].token_ids == ref.greedy(ids[0], "A", 12)
+    assert engine.finished["r2"].token_ids == ref.greedy(ids[1], "A", 3)
+    assert list(m._adapters) == ["x"] and m._holds == {} and m.loras == ["x"]
+    assert all(owner is None or owner[0] == "x" for owner in m._slot_owner)
+
+
+def test_pin_that_would_strand_requests_in_flight_is_refused(tiny, reference_factory):
+    """A pin between steps may not take a slot that the requests in flight need (their
+    next decode step names all their adapters): refused, and serving goes on."""
+    from lora_graph import LoRAConfig
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+    from lora_graph.models import LlamaPipeline
+
+    ref = reference_factory(tiny)
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16))
+    m = pipe.manager
+    for name in ("A", "B"):
+        m.load_adapter(str(tiny.adapters[name]), name=name)
+    engine = LLMEngine(pipe)
+    ids = prompts(2, seed=32)
+    engine.add_request(Request("a", ids[0], "A", SamplingParams(max_new_tokens=6, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    engine.add_request(Request("b", ids[1], "B", SamplingParams(max_new_tokens=6, ignore_eos=True)))
+    engine.step()  # a prefill of "b" alone: "a" is in flight but not in this batch
+    with pytest.raises(NoFreeSlotError, match="too few of the 2 slots"):
+        m.load_adapter(str(tiny.adapters["C"]), name="C", pin=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.finished["a"].token_ids == ref.greedy(ids[0], "A", 6)
+    assert engine.finished["b"].token_ids == ref.greedy(ids[1], "B", 6)
+    # with nothing in flight the pin is taken; pinning a loaded adapter again is honoured too
+    assert m.load_adapter(str(tiny.adapters["A"]), name="A", pin=True) == LoRAStatus.UNCHANGED
+    assert m.adapter("A").pinned and m.is_active_lora("A")
+
+
+def test_replaced_version_is_copied_back_from_its_slot(tiny, tmp_path):
+    """A version replaced while held, whose host image was already dropped and whose file is
+    rewritten, is copied back from its slot: it can leave the slot and return intact."""
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
+                         lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1))
+    m = pipe.manager
+    shutil.copytree(tiny.adapters["A"], tmp_path / "x")
+    m.load_adapter(str(tmp_path / "x"), name="x")
+    slot = m.activate_adapter("x")
+    original = m.pool[slot].clone()
+    m.load_adapter(str(tiny.adapters["B"]), name="B")  # x's host image leaves (cpu_capacity 1)
+    assert m.adapter("x").image is None
+    hold = m.acquire("x")
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy(tiny.adapters["C"] / f, tmp_path / "x" / f)
+    m.load_adapter(str(tmp_path / "x"), name="x")
+    assert hold.key.startswith("x@")
+    m.activate_adapter("B")  # the only slot changes hands
+    assert not m.is_active_lora(hold.key)
+    assert torch.equal(m.pool[m.activate_adapter(hold.key)], original)
+    m.release(hold)
+    assert hold.key not in m._adapters
+
+
+def test_adapter_path_containing_equals_sign(tiny, tmp_path):
+    """``load_adapter(path)`` with an existing path that contains '=' takes it whole."""
+    path = tmp_path / "lr=1e-4" / "checkpoint-100"
+    shutil.copytree(tiny.adapters["B"], path)
+    m = make_pipeline(tiny, load=()).manager
+    assert m.load_adapter(str(path)) == LoRAStatus.LOADED
+    assert m.is_lora(str(path))
+
+
 def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatch):
     """A model and an adapter named by hub repo id load offline from the hub cache."""
     import huggingface_hub.constants as hub
