@@ -109,7 +109,13 @@ def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> list[
             obj = json.loads(line)
             if not isinstance(obj, dict):
                 raise ValueError("a request must be a JSON object")
-            rid = str(obj.get("id", rid))
+            if obj.get("id") is not None:
+                if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
+                    raise ValueError("id must be a string or an integer")
+                rid = str(obj["id"])
+            unknown = sorted(set(obj) - _REQUEST_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown field {unknown[0]!r} (a request has: {', '.join(sorted(_REQUEST_FIELDS))})")
             if rid in seen:
                 raise ValueError(f"id {rid!r} repeats an earlier request's id")
             entries.append((_request_from_json(obj, rid, tokenizer, defaults), None))
@@ -119,11 +125,19 @@ def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> list[
     return entries
 
 
+def _int_list(value: Any, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{field} must be a list of integers")
+    return value
+
+
+_REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "adapter", "max_new_tokens", "temperature", "top_k", "top_p",
+                              "seed", "stop_token_ids", "ignore_eos"})
+
+
 def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams) -> Request:
     if "prompt_token_ids" in obj:
-        ids = obj["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+        ids = _int_list(obj["prompt_token_ids"], "prompt_token_ids")
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError("prompt must be a string")
@@ -141,6 +155,8 @@ def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: 
         top_k=obj.get("top_k", defaults.top_k),
         top_p=obj.get("top_p", defaults.top_p),
         seed=obj.get("seed", defaults.seed),
+        stop_token_ids=tuple(_int_list(obj.get("stop_token_ids", list(defaults.stop_token_ids)), "stop_token_ids")),
+        ignore_eos=obj.get("ignore_eos", defaults.ignore_eos),
     )
     return Request(rid, ids, adapter, sampling)
 
@@ -152,7 +168,26 @@ def _output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
     return {"id": out.id, "adapter": out.adapter, "token_ids": out.token_ids, "text": text}
 
 
+def _check_output(path: str | None) -> None:
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir() or not out.parent.is_dir():
+        raise CliError(f"--output {path}: {'is a directory' if out.is_dir() else 'its directory does not exist'}")
+
+
+def _check_sampling(defaults: SamplingParams) -> None:
+    try:
+        defaults.validate()
+    except ValueError as e:
+        raise CliError(str(e).replace("max_new_tokens", "--max-new-tokens").replace("temperature", "--temperature")
+                       .replace("top_k", "--top-k").replace("top_p", "--top-p")) from e
+
+
 def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
+    _check_output(args.output)
+    _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                   top_p=args.top_p, seed=args.seed))
     engine, tokenizer = build_engine(args.model, args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                                      dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, compile_mode=args.compile)
@@ -179,7 +214,11 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
+    _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens))
     assets = Path(args.assets) if args.assets else _assets_dir()
+    if not (assets / "base" / "config.json").is_file() or not (assets / "adapters").is_dir():
+        raise CliError(f"--assets {assets}: expected base/config.json and an adapters/ directory in it "
+                       "(examples/make_demo_assets.py builds them)")
     adapters = sorted(p for p in (assets / "adapters").iterdir() if (p / "adapter_config.json").is_file())
     engine, tokenizer = build_engine(str(assets / "base"), [f"{p.name}={p}" for p in adapters],
                                      max_loras=max(1, len(adapters)), max_lora_rank=64, dtype=args.dtype, device=args.device,
@@ -227,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (with --adapter to choose its adapter)")
     src.add_argument("--requests", metavar="FILE.jsonl",
-                     help='one JSON object a line: {"id", "prompt" | "prompt_token_ids", "adapter", "max_new_tokens", "temperature"}')
+                     help='one JSON object a line: {"id", "prompt" | "prompt_token_ids", "adapter", "max_new_tokens", '
+                          '"temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}; other fields are refused')
     gen.add_argument("--adapter", default=None, help="adapter name for --prompt (default: the base model)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="default tokens to generate (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="default temperature; 0 is greedy (default: 0)")

@@ -46,14 +46,18 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError naming the first out-of-range value."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
 
 
 @dataclass
@@ -154,7 +158,7 @@ class LLMEngine:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.pipeline.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(prompt) >= self.pipeline.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} fit (max_seq_len)")

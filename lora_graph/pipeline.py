@@ -48,7 +48,9 @@ def resolve_model_path(path: str) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{path}: no config.json in the model directory")
         return path
-    if os.path.exists(path) or path.count("/") != 1:
+    if path.startswith(("/", ".", "~")) or os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such model directory")
+    if path.count("/") != 1:
         raise FileNotFoundError(f"{path}: not a model directory or a Hugging Face repo id")
     from huggingface_hub import snapshot_download
 

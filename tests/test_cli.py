@@ -81,12 +81,54 @@ def test_cudagraph_without_cuda_exits_2(tiny, capsys):
         (["--max-seq-len", "1"], "--max-seq-len must be at least 2"),
         (["--max-seq-len", "4096"], "exceeds the model's max_position_embeddings 128"),
         (["--lora", "a=/x", "--lora", "a=/y"], "adapter name 'a' is given more than once"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["--output", "/no/such/dir/out.jsonl"], "--output /no/such/dir/out.jsonl: its directory does not exist"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(tiny, capsys, extra, message):
     argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--prompt", "hi", *extra]
     assert main(argv, stdout=io.StringIO()) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--model", "/no/such/model", "--prompt", "hi"], "/no/such/model: no such model directory"),
+        (["demo", "--assets", "/no/such/assets"], "--assets /no/such/assets: expected base/config.json"),
+        (["demo", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    ],
+)
+def test_bad_paths_and_values_exit_2(argv, message, capsys):
+    assert main([*argv, "--device", "cpu"], stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_request_fields_unknown_refused_stop_tokens_honoured(tiny, tmp_path, reference_factory):
+    """A request line with a field the engine does not know (a misspelt adapter key would
+    silently run the base model) is an error line; stop_token_ids and ignore_eos apply."""
+    ref = reference_factory(tiny)
+    ids = prompts(1, seed=12)[0]
+    greedy = ref.greedy(ids, "A", 6)
+    stop = greedy[2]
+    lines = [{"id": "typo", "prompt_token_ids": ids, "adaptor": "A"},
+             {"id": "vllm", "prompt_token_ids": ids, "lora_name": "A"},
+             {"id": "stop", "prompt_token_ids": ids, "adapter": "A", "max_new_tokens": 6, "stop_token_ids": [stop],
+              "ignore_eos": True},
+             {"id": "bool", "prompt_token_ids": ids, "max_new_tokens": True}]
+    requests = tmp_path / "r.jsonl"
+    requests.write_text("\n".join(json.dumps(line) for line in lines))
+    out = io.StringIO()
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"A={tiny.adapters['A']}",
+            "--requests", str(requests)]
+    assert main(argv, stdout=out) == 0
+    by_id = {r["id"]: r for r in map(json.loads, out.getvalue().splitlines())}
+    assert "unknown field 'adaptor'" in by_id["typo"]["error"]
+    assert "unknown field 'lora_name'" in by_id["vllm"]["error"]
+    assert by_id["stop"]["token_ids"] == greedy[: greedy.index(stop) + 1]
+    assert "max_new_tokens must be a positive integer" in by_id["bool"]["error"]
 
 
 def test_repeated_request_id_is_an_error_line_and_the_rest_are_served(tiny, tmp_path):
