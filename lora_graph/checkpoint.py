@@ -161,6 +161,10 @@ def saved_base_weights(name: str, src: AdapterSource, module_map: ModuleMap) -> 
     return {ref: tensors[k] for k, m in keys.items() if (ref := module_map(m)) is not None}
 
 
+def _span(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) else str(list(layers))
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's ``get_pattern_key``: the first pattern key matching the module's tail."""
     for key, value in patterns.items():
@@ -294,13 +298,16 @@ class AdapterReader:
                 misfits.append(f"{module} (lora_{a_name}/lora_{b_name} on a{'n' if target.kind == 'embedding' else ''} "
                                f"{target.kind} target)")
                 continue
+            if ref.layer not in target.layer_ids(self.num_layers):
+                misfits.append(f"{module} (layer {ref.layer}: the model's {ref.target} has layers "
+                               f"{_span(target.layer_ids(self.num_layers))}; trained with layer_replication or on a deeper model?)")
+                continue
             expected_a = (rank, target.in_features)
             expected_b = (target.out_slices[slice_idx], rank)
-            if (
-                len(a_shape) != 2 or len(b_shape) != 2 or tuple(a_shape) != expected_a or tuple(b_shape) != expected_b
-                or ref.layer not in target.layer_ids(self.num_layers)
-            ):
-                misfits.append(f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A {list(expected_a)}, B {list(expected_b)})")
+            if len(a_shape) != 2 or len(b_shape) != 2 or tuple(a_shape) != expected_a or tuple(b_shape) != expected_b:
+                vocab = target.kind == "embedding" or target.per_segment
+                misfits.append(f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A {list(expected_a)}, "
+                               f"B {list(expected_b)}: {'a resized vocabulary' if vocab else 'another model size'}?)")
                 continue
             r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))
             alpha = float(_pattern_value(alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg))
@@ -335,8 +342,7 @@ class AdapterReader:
             raise AdapterError(f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
                                f"({', '.join(self.targets)})" + (f" and {len(info.unmapped) - 1} more" if len(info.unmapped) > 1 else ""))
         if info.misfits:
-            raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model "
-                               "(trained on another model size?)")
+            raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model")
 
     def load(self, name: str, src: AdapterSource, layout: SlotLayout, *, max_rank: int, dtype: torch.dtype) -> tuple[Tensor, int]:
         """Validate and normalise an adapter into a flat slot image.
