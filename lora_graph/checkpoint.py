@@ -132,7 +132,7 @@ def parse_lora_key(key: str) -> tuple[str, str] | None:
     adapter-name infix: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
     gives ``("model.layers.0.self_attn.q_proj", "A")``."""
     m = _LORA_KEY.match(key)
-    if m is None or (m.group("emb") is None and key.endswith((".bias.weight",))):
+    if m is None:
         return None
     module = m.group("module")
     for prefix in _PREFIXES:
