@@ -148,19 +148,6 @@ def parse_base_layer_key(key: str) -> str | None:
     return m.group("module").removeprefix(_PREFIXES[0]) if m else None
 
 
-def saved_base_weights(name: str, src: AdapterSource, module_map: ModuleMap) -> dict[LoraModuleRef, Tensor]:
-    """The base weights saved in an adapter's file, by where they land (empty if none).
-
-    Raises:
-        AdapterError: if the file cannot be read.
-    """
-    keys = {k: m for k in _read_shapes(src.weights_path) if (m := parse_base_layer_key(k)) is not None}
-    if not keys:
-        return {}
-    tensors = _load_tensors(src.weights_path)
-    return {ref: tensors[k] for k, m in keys.items() if (ref := module_map(m)) is not None}
-
-
 def _span(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}..{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) else str(list(layers))
 
@@ -344,7 +331,8 @@ class AdapterReader:
         if info.misfits:
             raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model")
 
-    def load(self, name: str, src: AdapterSource, layout: SlotLayout, *, max_rank: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+    def load(self, name: str, src: AdapterSource, layout: SlotLayout, *, max_rank: int,
+             dtype: torch.dtype) -> tuple[Tensor, int, dict[LoraModuleRef, Tensor]]:
         """Validate and normalise an adapter into a flat slot image.
 
         The image ``[layout.numel]`` (``dtype``, CPU) holds every target's A and B, with
@@ -352,7 +340,9 @@ class AdapterReader:
         checkpoint's tensors are not modified.
 
         Returns:
-            ``(image, rank)``.
+            ``(image, rank, saved_base)``: ``saved_base`` holds the base weights PEFT saved
+            in the file (``*.base_layer.weight``), by where they land, for the caller to
+            compare with the served model's.
 
         Raises:
             AdapterError: for anything :meth:`check_config` or :meth:`check` refuses.
@@ -373,4 +363,6 @@ class AdapterReader:
             else:
                 a[s, : m.rank].copy_(tensors[m.a_key].float())
             b[start : start + size, : m.rank].copy_(tensors[m.b_key].float() * m.scale)
-        return image, info.rank
+        saved_base = {ref: tensors[key] for key in tensors
+                      if (module := parse_base_layer_key(key)) is not None and (ref := self.module_map(module)) is not None}
+        return image, info.rank, saved_base

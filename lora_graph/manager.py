@@ -18,17 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import (
-    AdapterReader,
-    AdapterSource,
-    ModuleMap,
-    resolve_adapter,
-    saved_base_weights,
-)
+from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layers import BoundInputs, LoRAEmbedding, LoRALinear
 from lora_graph.layout import SlotLayout
-from lora_graph.targets import LoraTarget
+from lora_graph.targets import LoraModuleRef, LoraTarget
 
 WeightsAdapter = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 _ROUTING_INPUTS = 5  # lora_ids, grouped_offsets, end, segment_offsets, segment_end
@@ -121,8 +115,7 @@ class LoRAManager:
         num_slots = config.num_slots
         self.pool = torch.zeros(num_slots, self.layout.numel, dtype=self.dtype, device=self.device)
         self._slot_views = tuple(self.pool[s] for s in range(num_slots))
-        self._slot_owner: list[tuple[str, str] | None] = [None] * num_slots  # (name, digest)
-        self._active: OrderedDict[str, int] = OrderedDict()  # LRU order, oldest first
+        self._active: OrderedDict[str, int] = OrderedDict()  # adapter -> its slot, LRU order, oldest first
         self._adapters: dict[str, LoadedAdapter] = {}
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._running: frozenset[str] = frozenset()
@@ -131,16 +124,20 @@ class LoRAManager:
         self.kernels = ops.kernels(config.backend, self.device)
         self._bound = BoundInputs()
         self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
-        self._layers: list[LoRALinear | LoRAEmbedding] = []
-        self._layer_at: dict[tuple[str, int], LoRALinear | LoRAEmbedding] = {}
-        self._wrapped: list[str] = []
+        self._layer_at: dict[tuple[str, int], LoRALinear | LoRAEmbedding] = {}  # filled by wrap()
         pin = self.device.type == "cuda"
-        self._lora_ids = torch.zeros(config.max_slots, dtype=torch.int32, device=self.device)
-        self._offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
-        self._end = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._segment_offsets = torch.zeros(config.max_slots + 1, dtype=torch.int32, device=self.device)
-        self._segment_end = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._staging = torch.zeros(3 * config.max_slots + 4, dtype=torch.int32, pin_memory=pin)
+        # the five routing tensors are views of one device buffer, refilled by one copy a step:
+        # lora_ids [g] | grouped_offsets [g + 1] | end [1] | segment_offsets [g + 1] | segment_end [1],
+        # each from a 16-byte boundary
+        g = config.max_slots
+        sizes = (g, g + 1, 1, g + 1, 1)
+        starts = [sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]
+        self._routing_slices = [slice(start, start + n) for start, n in zip(starts, sizes, strict=True)]
+        total = self._routing_slices[-1].stop
+        self._routing = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self._lora_ids, self._offsets, self._end, self._segment_offsets, self._segment_end = (
+            self._routing[sl] for sl in self._routing_slices)
+        self._staging = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         # the last non-blocking copy out of the staging buffer: it must land before a refill
         self._staged = torch.cuda.Event() if pin else None
         self.slot_loads = 0  # weight copies into slots; a steady-state step makes none
@@ -158,6 +155,14 @@ class LoRAManager:
     def is_active_lora(self, name: str) -> bool:
         """Whether ``name`` holds a device slot."""
         return name in self._active
+
+    @property
+    def slot_owners(self) -> list[str | None]:
+        """The adapter (routing key) each slot holds, slot 0 (the zero adapter) included: None."""
+        owners: list[str | None] = [None] * self.config.num_slots
+        for name, slot in self._active.items():
+            owners[slot] = name
+        return owners
 
     def adapter(self, name: str) -> LoadedAdapter:
         """The registry entry of a loaded adapter.
@@ -232,15 +237,15 @@ class LoRAManager:
                 self.activate_adapter(name)
             self._unloading.discard(name)
             return LoRAStatus.UNCHANGED
-        image, rank = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
-        self._check_saved_base(name, src)
+        image, rank, saved_base = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+        self._check_saved_base(name, saved_base)
         if pin:
             self._check_pin(name)
         if old is not None:
             if self._holds.get(name):
                 self._retire(name)
             else:
-                self._release(name)
+                self._active.pop(name, None)
         self._unloading.discard(name)
         self._adapters[name] = LoadedAdapter(name, src, digest, rank, pin, self._to_host(image))
         self._touch_host(name)
@@ -248,14 +253,14 @@ class LoRAManager:
             self.activate_adapter(name)
         return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
 
-    def _check_saved_base(self, name: str, src: AdapterSource) -> None:
+    def _check_saved_base(self, name: str, saved_base: dict[LoraModuleRef, Tensor]) -> None:
         """Refuse an adapter whose file carries base weights (PEFT saves the targeted
         embedding's and LM head's) that differ from the served model's beyond the rounding
         of the two dtypes: it was trained with its own embedding (new or trained tokens),
         and serving only its LoRA pairs would be a silent wrong answer."""
         if not self._layer_at:
             return
-        for ref, saved in saved_base_weights(name, src, self.reader.module_map).items():
+        for ref, saved in saved_base.items():
             layer = self._layer_at.get((ref.target, ref.layer))
             if layer is None:
                 continue
@@ -303,12 +308,8 @@ class LoRAManager:
             self._adapters[alias] = existing = entry
         elif existing.image is None:
             existing.image = entry.image
-        if slot is not None:
-            if alias in self._active:  # a duplicate of the same weights: free it
-                self._slot_owner[slot] = None
-            else:
-                self._active[alias] = slot
-                self._slot_owner[slot] = (alias, existing.digest)
+        if slot is not None and alias not in self._active:  # (else a duplicate of the same weights: its slot is freed)
+            self._active[alias] = slot
         if existing.image is not None:
             self._host_lru[alias] = None  # kept while held: _touch_host spares unloading versions
         holds = self._holds.pop(name)
@@ -360,14 +361,9 @@ class LoRAManager:
         running = frozenset() if between_steps else self._running
         for name in [n for n in self._unloading if n not in running and not self._holds.get(n)]:
             self._unloading.discard(name)
-            self._release(name)
+            self._active.pop(name, None)
             del self._adapters[name]
             self._host_lru.pop(name, None)
-
-    def _release(self, name: str) -> None:
-        slot = self._active.pop(name, None)
-        if slot is not None:
-            self._slot_owner[slot] = None
 
     def _to_host(self, image: Tensor) -> Tensor:
         return image.pin_memory() if self.device.type == "cuda" else image
@@ -397,7 +393,7 @@ class LoRAManager:
             try:
                 if entry.source.digest() != entry.digest:
                     raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
-                image, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
+                image, _, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
                                             dtype=self.dtype)
             except (OSError, AdapterError) as e:
                 message = str(e) if isinstance(e, AdapterError) else (
@@ -428,21 +424,20 @@ class LoRAManager:
         image = self._host_image(entry)
         self._slot_views[slot].copy_(image, non_blocking=True)
         self.slot_loads += 1
-        self._slot_owner[slot] = (name, entry.digest)
         self._active[name] = slot
         return slot
 
     def _free_slot(self) -> int:
         """A free slot, else the least recently used one whose adapter is neither pinned nor
         in the running batch, preferring adapters no request in flight holds."""
-        for slot in range(1, self.config.num_slots):
-            if self._slot_owner[slot] is None:
-                return slot
+        taken = set(self._active.values())
+        free = next((slot for slot in range(1, self.config.num_slots) if slot not in taken), None)
+        if free is not None:
+            return free
         evictable = [(v, s) for v, s in self._active.items() if v not in self._running and not self._adapters[v].pinned]
         if evictable:
             victim, slot = next(((v, s) for v, s in evictable if not self._holds.get(v)), evictable[0])
             del self._active[victim]
-            self._slot_owner[slot] = None
             return slot
         raise NoFreeSlotError(f"all {self.config.max_slots} slots hold pinned adapters or adapters of the running batch")
 
@@ -537,18 +532,16 @@ class LoRAManager:
         staging = self._staging
         if self._staged is not None:
             self._staged.synchronize()
-        # [lora_ids (unused groups: slot 0) | offsets (unused groups: empty at end) | end
-        #  | segment offsets | segment end]
+        # unused groups: slot 0, empty at the end (in tokens and in requests)
         g = max_groups
         seg_end = segments[-1]
-        values = (ids + [0] * (g - len(ids)) + offsets + [end] * (g + 1 - len(offsets)) + [end]
-                  + segments + [seg_end] * (g + 1 - len(segments)) + [seg_end])
+        parts = (ids + [0] * (g - len(ids)), offsets + [end] * (g + 1 - len(offsets)), [end],
+                 segments + [seg_end] * (g + 1 - len(segments)), [seg_end])
+        values = [0] * staging.numel()
+        for sl, part in zip(self._routing_slices, parts, strict=True):
+            values[sl] = part
         staging.copy_(torch.tensor(values, dtype=torch.int32))
-        self._lora_ids.copy_(staging[:g], non_blocking=True)
-        self._offsets.copy_(staging[g : 2 * g + 1], non_blocking=True)
-        self._end.copy_(staging[2 * g + 1 : 2 * g + 2], non_blocking=True)
-        self._segment_offsets.copy_(staging[2 * g + 2 : 3 * g + 3], non_blocking=True)
-        self._segment_end.copy_(staging[3 * g + 3 :], non_blocking=True)
+        self._routing.copy_(staging, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
         return self._lora_ids, self._offsets, self._end
@@ -591,7 +584,7 @@ class LoRAManager:
                              f"got {len(lora_inputs)}")
         slots = tuple(lora_inputs[_ROUTING_INPUTS:])
         if len(slots) != len(self._bound_slots) or any(a is not b for a, b in zip(slots, self._bound_slots, strict=True)):
-            for layer in self._layers:
+            for layer in self._layer_at.values():
                 layer.bind_slots(slots)
             self._bound_slots = slots
         self._bound.routing = (lora_inputs[0], lora_inputs[1], lora_inputs[2])
@@ -620,9 +613,7 @@ class LoRAManager:
                                       bound=self._bound, kernels=self.kernels)
                 lora.bind_slots(self._slot_views)
                 setattr(parent, attr, lora)
-                self._layers.append(lora)
                 self._layer_at[(target_name, layer)] = lora
-                self._wrapped.append(path)
         self._bound_slots = self._slot_views
         return LoRAWrapper(model, self)
 
@@ -630,7 +621,7 @@ class LoRAManager:
         """Wrap a checkpoint key adapter so its output loads into the wrapped model: the
         base linear of each LoRA layer sits at ``<path>.base``, and everything under
         ``wrapper_prefix``."""
-        wrapped = {p + "." for p in self._wrapped}
+        wrapped = {self._module_path(target, layer) + "." for target, layer in self._layer_at}
 
         def adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
             out = {}

@@ -402,7 +402,7 @@ def test_reloading_back_and_forth_in_flight(tiny, reference_factory):
     assert engine.finished["r0"].token_ids == ref.greedy(ids[0], "A", 12)
     assert engine.finished["r2"].token_ids == ref.greedy(ids[1], "A", 3)
     assert list(m._adapters) == ["x"] and m._holds == {} and m.loras == ["x"]
-    assert all(owner is None or owner[0] == "x" for owner in m._slot_owner)
+    assert all(owner is None or owner == "x" for owner in m.slot_owners)
 
 
 def test_pin_that_would_strand_requests_in_flight_is_refused(tiny, reference_factory):
