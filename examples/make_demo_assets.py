@@ -1,6 +1,7 @@
 """Build the bundled demo assets: a tiny Llama base model and three LoRA adapters.
 
-Everything is made from scratch, offline and deterministically (fixed seeds):
+Everything is made from scratch, offline and deterministically (fixed seeds, one thread,
+deterministic algorithms):
 
 1. A corpus of simple children's stories is generated from templates.
 2. A byte-level BPE tokenizer is trained on it and on the adapters' rewrites of it
@@ -23,11 +24,19 @@ Usage::
 
     python examples/make_demo_assets.py [--out examples/assets]
 
-It runs in a few minutes on two CPU cores and needs only torch, transformers,
+It runs in about 4 minutes (one thread) and needs only torch, transformers,
 tokenizers, peft and safetensors.
 """
 
 from __future__ import annotations
+
+import os
+
+# one thread everywhere: the BPE trainer's and the matmuls' results must not depend on
+# how work is split across threads (set before tokenizers and torch start their pools)
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
@@ -428,7 +437,10 @@ generated and trained on CPU, deterministically, by
 python examples/make_demo_assets.py --out examples/assets
 ```
 
-(a few minutes on two CPU cores). The training text is a template-generated set of simple
+(about 4 minutes, on one thread: fixed seeds, deterministic algorithms, and one thread for the
+tokenizer trainer and the matmuls, so two rebuilds on one machine with the same torch,
+transformers, tokenizers and peft give byte-identical files; another CPU or library version
+may round differently). The training text is a template-generated set of simple
 children's stories ("Once upon a time, there was a small bear named Sue. ...").
 
 ## `base/`
@@ -473,7 +485,7 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.perf_counter()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
     hf_logging.disable_progress_bar()

@@ -62,13 +62,25 @@ def resolve_adapter(path: str) -> AdapterSource:
     ``adapter_config.json`` read from beside it if there), or a Hugging Face repo id
     (fetched through ``huggingface_hub``, which honours ``HF_HUB_OFFLINE`` and its cache).
 
+    A PEFT directory must hold ``adapter_config.json`` (PEFT refuses one without it: the
+    scale ``lora_alpha / r`` is unknown). A bare weights file without a config beside it is
+    served with scale 1, its B taken as already scaled. The config is type-checked field by
+    field (:func:`check_config_types`).
+
     Raises:
-        AdapterError: if nothing usable is found at ``path``.
+        AdapterError: if nothing usable is found at ``path``, the directory has no
+            ``adapter_config.json``, or the config is not valid JSON of PEFT's shape (the
+            message names the file and the field).
     """
     if os.path.isfile(path):
-        directory, weights = os.path.dirname(path) or ".", path
+        if os.path.basename(path) == "adapter_config.json" or path.endswith(".json"):
+            raise AdapterError(f"{path}: this is the adapter's config; give the adapter directory that holds it "
+                               "(or its adapter_model.safetensors)")
+        if not path.endswith((".safetensors", ".bin")):
+            raise AdapterError(f"{path}: expected a PEFT adapter directory, a .safetensors file or a .bin file")
+        directory, weights, bare = os.path.dirname(path) or ".", path, True
     elif os.path.isdir(path):
-        directory = path
+        directory, bare = path, False
         found = [os.path.join(path, f) for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
         if not found:
             raise AdapterError(f"{path}: no adapter_model.safetensors or adapter_model.bin in the directory")
@@ -81,12 +93,112 @@ def resolve_adapter(path: str) -> AdapterSource:
     config: dict[str, Any] = {}
     config_path = os.path.join(directory, "adapter_config.json")
     if os.path.isfile(config_path):
-        try:
-            with open(config_path) as f:
-                config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise AdapterError(f"{config_path}: not valid JSON ({e})") from e
+        config = read_adapter_config(config_path)
+    elif not bare:
+        raise AdapterError(f"{path}: no adapter_config.json in the adapter directory (PEFT saves it beside the weights; "
+                           "without it the scale lora_alpha / r is unknown)")
     return AdapterSource(path, config, weights)
+
+
+def read_adapter_config(config_path: str) -> dict[str, Any]:
+    """Read and type-check a PEFT ``adapter_config.json``.
+
+    Raises:
+        AdapterError: naming the file and the cause: unreadable, not UTF-8, not JSON, not a
+            JSON object, or a field of the wrong type (:func:`check_config_types`).
+    """
+    try:
+        with open(config_path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise AdapterError(f"{config_path}: cannot be read ({e.strerror or e})") from e
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise AdapterError(f"{config_path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{config_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: expected a JSON object of PEFT's LoraConfig fields, got a {_json_type(config)}")
+    check_config_types(config, config_path)
+    return config
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# field -> (check, what the field must be); None is PEFT's default for the optional ones
+_CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "peft_type": (lambda v: isinstance(v, str), "a string"),
+    "task_type": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "revision": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "peft_version": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "inference_mode": (lambda v: isinstance(v, bool), "true or false"),
+    "auto_mapping": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "r": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "lora_alpha": (_is_number, "a finite number"),
+    "lora_dropout": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "target_modules": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
+    "exclude_modules": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
+    "layers_to_transform": (lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+                            "an integer, a list of integers or null"),
+    "layers_pattern": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
+    "rank_pattern": (lambda v: v is None or (isinstance(v, dict) and all(_is_int(x) and x >= 1 for x in v.values())),
+                     "an object of positive integers"),
+    "alpha_pattern": (lambda v: v is None or (isinstance(v, dict) and all(map(_is_number, v.values()))),
+                      "an object of finite numbers"),
+    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
+    "init_lora_weights": (lambda v: isinstance(v, (bool, str)), "true, false or a string"),
+    "bias": (lambda v: isinstance(v, str), "a string"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    "modules_to_save": (lambda v: v is None or _is_str_list(v), "a list of strings or null"),
+}
+
+
+def check_config_types(config: dict[str, Any], where: str) -> None:
+    """Type-check the ``adapter_config.json`` fields this engine reads, as PEFT's
+    ``LoraConfig`` declares them; ``peft_type`` is required (PEFT reads it first), and a
+    ``lora_alpha`` given must be a number (``null`` is refused: PEFT fails on it).
+
+    Raises:
+        AdapterError: ``"<where>: field 'r' must be a positive integer, got 'abc'"``.
+    """
+    if "peft_type" not in config:
+        raise AdapterError(f"{where}: field 'peft_type' is missing (a PEFT adapter_config.json names it, e.g. \"LORA\")")
+    for key, (ok, what) in _CONFIG_TYPES.items():
+        if key in config and not ok(config[key]):
+            raise AdapterError(f"{where}: field {key!r} must be {what}, got {config[key]!r}")
+    for field in ("target_modules", "exclude_modules", "layers_pattern"):  # a string is a regex (PEFT: re.fullmatch)
+        patterns = config.get(field)
+        for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise AdapterError(f"{where}: field {field!r} holds {pattern!r}, not a valid regular expression ({e})") from e
+    for field in ("rank_pattern", "alpha_pattern"):  # keys are regexes matched as PEFT's get_pattern_key
+        for pattern in config.get(field) or {}:
+            try:
+                re.compile(rf"(.*\.)?({pattern})$")
+            except re.error as e:
+                raise AdapterError(f"{where}: field {field!r} has key {pattern!r}, not a valid regular expression ({e})") from e
 
 
 def _download(repo_id: str) -> str:
@@ -148,6 +260,50 @@ def parse_base_layer_key(key: str) -> str | None:
     return m.group("module").removeprefix(_PREFIXES[0]) if m else None
 
 
+def peft_targets_module(config: dict[str, Any], module: str) -> bool:
+    """Whether PEFT would put a LoRA layer on ``module`` (a base-model module name such as
+    ``model.layers.0.self_attn.q_proj``) under this config: PEFT's
+    ``check_target_module_exists`` for ``target_modules`` (a regex string matched whole,
+    ``"all-linear"``, or names matched as the key or its dotted tail), ``exclude_modules``,
+    ``layers_to_transform`` and ``layers_pattern``. PEFT ignores the weights of a module it
+    does not target, so an adapter carrying such weights is refused rather than served with
+    them."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, module):
+                return False
+        elif module in exclude or any(module.endswith(f".{e}") for e in exclude):
+            return False
+    targets = config.get("target_modules")
+    if targets == "all-linear":  # PEFT expands it to every linear but the output layer
+        return module.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens")
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    if not targets:
+        return False
+    if module in targets:
+        return True
+    if not any(module.endswith(f".{t}") for t in targets):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return True
+    patterns = config.get("layers_pattern")
+    match = None
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
 def _span(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}..{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) else str(list(layers))
 
@@ -173,6 +329,7 @@ _CONFIG_FIELDS = frozenset({
 # initialisations that rewrite the base weights (the adapter then needs that modified base)
 _BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "lora_ga")
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default
+PEFT_DEFAULT_R = 8  # LoraConfig.r's default
 
 
 @dataclass(frozen=True)
@@ -211,7 +368,7 @@ class AdapterReader:
                 other config field set away from its default (a LoRA variant).
         """
         peft_type = config.get("peft_type", "LORA")
-        if str(peft_type).upper() != "LORA":
+        if peft_type != "LORA":
             raise AdapterError(f"adapter {name!r}: peft_type {peft_type!r} is not LoRA")
         if config.get("use_dora"):
             raise AdapterError(f"adapter {name!r}: use_dora (DoRA) is not supported")
@@ -252,9 +409,10 @@ class AdapterReader:
         if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
             raise AdapterError(f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, DoRA "
                                "magnitude, trainable tokens or a saved full layer?); only plain LoRA can be served")
-        r_default = int(cfg.get("r", 0)) or None
-        # PEFT's default alpha when the config omits it; a bare file (no config): scale 1
-        alpha_default = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA if cfg else None)
+        # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
+        # r is the tensors' rank and the scale is 1
+        r_default = cfg.get("r", PEFT_DEFAULT_R) if cfg else None
+        alpha_default = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA) if cfg else None
         rank_pattern = cfg.get("rank_pattern") or {}
         alpha_pattern = cfg.get("alpha_pattern") or {}
         modules: list[LoraModule] = []
@@ -281,6 +439,10 @@ class AdapterReader:
             except KeyError:
                 unmapped.append(module)
                 continue
+            if cfg and not peft_targets_module(cfg, module):
+                raise AdapterError(f"adapter {name!r}: module {module} has LoRA weights, but adapter_config.json's "
+                                   f"target_modules {cfg.get('target_modules')!r} does not select it (PEFT would "
+                                   "load the adapter without them)")
             if embedding != (target.kind == "embedding"):
                 misfits.append(f"{module} (lora_{a_name}/lora_{b_name} on a{'n' if target.kind == 'embedding' else ''} "
                                f"{target.kind} target)")
@@ -297,6 +459,11 @@ class AdapterReader:
                                f"B {list(expected_b)}: {'a resized vocabulary' if vocab else 'another model size'}?)")
                 continue
             r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))
+            if r_cfg != rank:  # PEFT refuses this with a size mismatch
+                said = (f"rank_pattern gives {r_cfg}" if _pattern_value(rank_pattern, module, None) is not None
+                        else f"r is {r_cfg}")
+                raise AdapterError(f"adapter {name!r}: module {module} has rank-{rank} tensors (lora_{a_name} "
+                                   f"{list(a_shape)}) but adapter_config.json's {said}")
             alpha = float(_pattern_value(alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg))
             scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
             modules.append(LoraModule(module, ref, ab[a_name], ab[b_name], rank, scale))

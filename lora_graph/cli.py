@@ -23,6 +23,15 @@ class CliError(Exception):
     """An error reported as one line and exit status 2, without a traceback."""
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lora_graph")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _assets_dir() -> Path:
     for candidate in (Path.cwd() / "examples" / "assets", Path(__file__).resolve().parents[1] / "examples" / "assets"):
         if (candidate / "base" / "config.json").is_file():
@@ -40,7 +49,7 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
     from transformers import AutoConfig, AutoTokenizer
 
     from lora_graph.models import pipeline_class
-    from lora_graph.pipeline import resolve_model_path
+    from lora_graph.pipeline import MemoryBudgetError, resolve_model_path
 
     for flag, value, least in (("--max-loras", max_loras, 1), ("--max-lora-rank", max_lora_rank, 1),
                                ("--max-batch-size", max_batch_size, 1), ("--max-seq-len", max_seq_len or 2, 2)):
@@ -59,6 +68,8 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
             max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
         lora = LoRAConfig(max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))) if loras else None
         pipeline = cls(model_dir, dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, lora=lora)
+    except MemoryBudgetError as e:
+        raise CliError(str(e).replace("max_batch_size", "--max-batch-size").replace("max_seq_len", "--max-seq-len")) from e
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {e}") from e
     if compile_mode != "none":
@@ -92,19 +103,44 @@ def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> list[tuple[Request, str | None]]:
-    """Parse a JSON-lines requests file into ``(request, error)`` entries in file order;
-    a line that is not a valid request, or repeats an earlier id, carries an error."""
-    entries: list[tuple[Request, str | None]] = []
-    seen: set[str] = set()
+def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
+    """The non-blank lines of a JSON-lines requests file as ``(line number, text, error)``.
+
+    The file is split on ``\\n`` only (a JSON string may hold U+2028 or other characters
+    ``str.splitlines`` would split on) and each line is decoded as UTF-8 on its own, so a
+    line that is not UTF-8 is an error of that line alone; a UTF-8 byte-order mark at the
+    start is skipped.
+
+    Raises:
+        CliError: if the file cannot be read.
+    """
     try:
-        lines = Path(path).read_text().splitlines()
+        raw = Path(path).read_bytes()
     except OSError as e:
-        raise CliError(f"--requests {path}: {e}") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+        raise CliError(f"--requests {path}: {e.strerror or e}") from e
+    lines: list[tuple[int, str | None, str | None]] = []
+    for n, chunk in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lines.append((n, None, f"line {n}: not valid UTF-8 (byte {chunk[e.start]:#04x} at column {e.start + 1})"))
             continue
+        if text.strip():
+            lines.append((n, text, None))
+    return lines
+
+
+def _parse_requests(lines: list[tuple[int, str | None, str | None]], tokenizer: Any,
+                    defaults: SamplingParams) -> list[tuple[Request, int, str | None]]:
+    """Parse requests-file lines into ``(request, line number, error)`` entries in file
+    order; a line that is not a valid request, or repeats an earlier id, carries an error."""
+    entries: list[tuple[Request, int, str | None]] = []
+    seen: set[str] = set()
+    for n, line, error in lines:
         rid = f"line-{n}"
+        if error is not None or line is None:
+            entries.append((Request(rid, [], None), n, error))
+            continue
         try:
             obj = json.loads(line)
             if not isinstance(obj, dict):
@@ -118,9 +154,11 @@ def _read_requests(path: str, tokenizer: Any, defaults: SamplingParams) -> list[
                 raise ValueError(f"unknown field {unknown[0]!r} (a request has: {', '.join(sorted(_REQUEST_FIELDS))})")
             if rid in seen:
                 raise ValueError(f"id {rid!r} repeats an earlier request's id")
-            entries.append((_request_from_json(obj, rid, tokenizer, defaults), None))
-        except (ValueError, TypeError) as e:
-            entries.append((Request(rid, [], None), f"line {n}: {e}"))
+            request = _request_from_json(obj, rid, tokenizer, defaults)
+            request.sampling.validate()
+            entries.append((request, n, None))
+        except (ValueError, TypeError, RecursionError) as e:
+            entries.append((Request(rid, [], None), n, f"line {n}: {e}"))
         seen.add(rid)
     return entries
 
@@ -136,6 +174,8 @@ _REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "adapter", "max
 
 
 def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams) -> Request:
+    if "prompt_token_ids" in obj and "prompt" in obj:
+        raise ValueError("give either 'prompt' or 'prompt_token_ids', not both")
     if "prompt_token_ids" in obj:
         ids = _int_list(obj["prompt_token_ids"], "prompt_token_ids")
     elif "prompt" in obj:
@@ -165,7 +205,8 @@ def _output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
     if out.error is not None:
         return {"id": out.id, "error": out.error}
     text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-    return {"id": out.id, "adapter": out.adapter, "token_ids": out.token_ids, "text": text}
+    return {"id": out.id, "adapter": out.adapter, "token_ids": out.token_ids, "text": text,
+            "finish_reason": out.finish_reason}
 
 
 def _check_output(path: str | None) -> None:
@@ -188,28 +229,35 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     _check_output(args.output)
     _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                    top_p=args.top_p, seed=args.seed))
+    if args.adapter is not None and args.adapter not in {spec.partition("=")[0] for spec in args.lora}:
+        raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
+    lines = _read_request_lines(args.requests) if args.requests else []
     engine, tokenizer = build_engine(args.model, args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                                      dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, compile_mode=args.compile)
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     if args.requests:
-        entries = _read_requests(args.requests, tokenizer, defaults)
+        entries = _parse_requests(lines, tokenizer, defaults)
     else:
         if tokenizer is None:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
-        entries = [(Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), None)]
-    outputs = engine.generate([r for r, error in entries if error is None])
+        entries = [(Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), 0, None)]
+    outputs = engine.generate([r for r, _, error in entries if error is None], progress=args.progress)
     by_id = {o.id: o for o in outputs}
-    lines = []
-    for r, error in entries:
+    results = []
+    for r, n, error in entries:
         out = RequestOutput(r.id, r.adapter, error=error) if error is not None else by_id[r.id]
-        lines.append(json.dumps(_output_json(out, tokenizer)))
+        if out.error is not None and not out.error.startswith(f"line {n}:") and args.requests:
+            out.error = f"line {n}: {out.error}"  # refused by the engine: name the line as a parse error would
+        results.append(_output_json(out, tokenizer))
+    if not args.requests and results[0].get("error") is not None:  # one prompt: its refusal is the command's
+        raise CliError(results[0]["error"])
+    text = "".join(json.dumps(result) + "\n" for result in results)
     if args.output:
-        Path(args.output).write_text("".join(line + "\n" for line in lines))
+        Path(args.output).write_text(text, encoding="utf-8")
     else:
-        for line in lines:
-            print(line, file=stdout)
+        stdout.write(text)
     return 0
 
 
@@ -245,6 +293,7 @@ def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-graph", description="Serve one base model and many LoRA adapters in one batch.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
@@ -275,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="default top-p (default: 1.0)")
     gen.add_argument("--seed", type=int, default=None, help="default sampling seed per request")
     gen.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    gen.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar on stderr (default: shown while requests are served)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", parents=[common], help="one mixed batch on the bundled demo model and adapters",

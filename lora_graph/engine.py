@@ -10,6 +10,7 @@ the end of the KV cache row.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,19 +46,40 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        """Raises ValueError naming the first out-of-range value."""
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        """Refuse any value that could make the sampling distribution invalid, so that
+        :func:`sample` never fails for a request that was admitted.
+
+        Raises:
+            ValueError: naming the first bad field and its value.
+        """
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is numerically "
+                             "unstable; use 0 for greedy")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {list(self.stop_token_ids)!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_int, self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+
+
+MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -120,6 +142,7 @@ class LLMEngine:
         self.finished: dict[str, RequestOutput] = {}
         self._free_rows = list(range(pipeline.max_batch_size))
         self.steps = {"prefill": 0, "decode": 0}
+        self.tokens_generated = 0
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -278,8 +301,16 @@ class LLMEngine:
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
         logits = logits.float().cpu()
-        for seq, row in zip(seqs, logits, strict=True):
+        bad_rows = torch.isnan(logits).any(dim=-1).tolist()
+        for seq, row, bad in zip(seqs, logits, bad_rows, strict=True):
+            if bad:  # a fault of the model's numerics (a half-precision overflow), not of the request
+                self.running.remove(seq)
+                self._release(seq)
+                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None,
+                                                              "the model produced NaN logits for this request")
+                continue
             token = sample(row, seq.request.sampling, seq.generator)
+            self.tokens_generated += 1
             seq.tokens.append(token)
             seq.generated.append(token)
             reason = self._finish_reason(seq, token)
@@ -296,28 +327,45 @@ class LLMEngine:
             return "length"
         return None
 
-    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+    def generate(self, requests: list[Request], *, progress: bool = False) -> list[RequestOutput]:
         """Serve every request to completion; outputs in the order of ``requests``.
+
+        Args:
+            progress: show a progress bar (tqdm, on stderr) of finished requests and
+                generated tokens per second.
 
         Raises:
             ValueError: if two requests share an id.
         """
+        from tqdm.auto import tqdm
+
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
         for r in requests:
             self.add_request(r)
-        while self.has_unfinished():
-            self.step()
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress, dynamic_ncols=True) as bar:
+            bar.update(sum(i in self.finished for i in ids))  # refused at admission
+            finished, tokens = len(self.finished), self.tokens_generated
+            while self.has_unfinished():
+                self.step()
+                bar.update(len(self.finished) - finished)
+                finished = len(self.finished)
+                bar.set_postfix_str(f"{(self.tokens_generated - tokens) / max(bar.format_dict['elapsed'], 1e-3):.1f} tok/s",
+                                    refresh=False)
         return [self.finished.pop(i) for i in ids]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
-    from the temperature-scaled distribution restricted by top-k then top-p."""
+    from the temperature-scaled distribution restricted by top-k then top-p.
+
+    The logits are shifted so their maximum is 0 before the division by the temperature,
+    so no value overflows: the most likely token always keeps a positive probability.
+    """
     if params.temperature == 0:
         return int(torch.argmax(logits).item())
-    logits = logits / params.temperature
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

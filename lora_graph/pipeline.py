@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lora_graph.config import LoRAConfig
+from lora_graph.layout import SlotLayout
 from lora_graph.manager import HasAdapter, LoRAManager, WeightsAdapter
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
@@ -61,26 +62,61 @@ def resolve_model_path(path: str) -> str:
 
 
 def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards a
-    ``model.safetensors.index.json`` names.
+    """All tensors of the model's checkpoint: ``model.safetensors``, the shards a
+    ``model.safetensors.index.json`` names, or, where there is no safetensors checkpoint,
+    ``pytorch_model.bin`` or the shards of ``pytorch_model.bin.index.json`` (read with
+    ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only).
 
     Raises:
-        FileNotFoundError: if the directory has neither.
+        FileNotFoundError: if the directory has none of them.
+        ValueError: if a file cannot be read as its format (the message names it).
     """
     from safetensors.torch import load_file
 
-    single = os.path.join(model_dir, "model.safetensors")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        return load_file(single)
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        state: dict[str, Tensor] = {}
-        for shard in shards:
-            state.update(load_file(os.path.join(model_dir, shard)))
-        return state
-    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    def read(path: str) -> dict[str, Tensor]:
+        try:
+            if path.endswith(".bin"):
+                return torch.load(path, map_location="cpu", weights_only=True)
+            return load_file(path)
+        except Exception as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
+            raise ValueError(f"{path}: not a readable {'torch' if path.endswith('.bin') else 'safetensors'} checkpoint "
+                             f"({e})") from e
+
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if os.path.isfile(os.path.join(model_dir, single)):
+            return read(os.path.join(model_dir, single))
+        if os.path.isfile(os.path.join(model_dir, index)):
+            try:
+                with open(os.path.join(model_dir, index)) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{os.path.join(model_dir, index)}: not a checkpoint index ({e})") from e
+            state: dict[str, Tensor] = {}
+            for shard in shards:
+                state.update(read(os.path.join(model_dir, shard)))
+            return state
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors, pytorch_model.bin or their sharded index")
+
+
+class MemoryBudgetError(ValueError):
+    """The requested sizes do not fit the device's free memory; the message says what would
+    be allocated and what fits."""
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free memory where ``device``'s tensors live: ``torch.cuda.mem_get_info`` on CUDA,
+    ``MemAvailable`` of ``/proc/meminfo`` on the CPU; None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
@@ -142,6 +178,7 @@ class PipelineModelWithKVCache(abc.ABC):
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}")
+        self._check_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
             self.manager = LoRAManager(lora, targets=self.lora_targets(), module_map=self.lora_module_map,
@@ -152,6 +189,39 @@ class PipelineModelWithKVCache(abc.ABC):
         self._weights = None
         self.step: Callable[..., Tensor] = self.model
         self.graphs: GraphCache | None = None
+
+    def _check_memory(self, lora: LoRAConfig | None) -> None:
+        """Refuse sizes whose KV cache and adapter slots cannot be allocated, before
+        allocating them (a typo such as ``max_batch_size=1000000`` would otherwise end in an
+        allocator traceback).
+
+        Raises:
+            MemoryBudgetError: saying what would be allocated, what is free, and the largest
+                ``max_batch_size`` that fits.
+        """
+        kv = self.kv_cache_bytes()
+        slots = 0
+        if lora is not None:
+            targets = self.lora_targets()
+            if lora.targets is not None:
+                targets = {k: v for k, v in targets.items() if k in lora.targets}
+            itemsize = (lora.dtype or self.dtype).itemsize
+            slots = SlotLayout(targets, self.num_layers, lora.max_rank).numel * lora.num_slots * itemsize
+        free = free_memory_bytes(self.device)
+        if free is None or kv + slots <= free:
+            return
+        per_row = kv // self.max_batch_size
+        fits = max(0, (free - slots) // per_row) if per_row else 0
+        gib = 2**30
+        raise MemoryBudgetError(
+            f"the KV cache for max_batch_size {self.max_batch_size} x max_seq_len {self.max_seq_len} needs "
+            f"{kv / gib:.1f} GiB" + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
+            + f", but {free / gib:.1f} GiB is free on {self.device.type}"
+            + (f"; at most max_batch_size {fits} fits at this max_seq_len" if fits else ""))
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this pipeline allocates (0 if the architecture has none)."""
+        return 0
 
     # ---- what an architecture declares ----------------------------------------------
     @abc.abstractmethod

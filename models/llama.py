@@ -373,6 +373,10 @@ class LlamaPipeline(PipelineModelWithKVCache):
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         return hf_weights_adapter(state_dict)
 
+    def kv_cache_bytes(self) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * self.max_batch_size * c.num_key_value_heads * self.max_seq_len * c.head_dim * self.dtype.itemsize
+
     def compile_regions(self) -> list[nn.Module]:
         inner = self.model.model if self.manager is not None else self.model
         return list(inner.layers)
