@@ -83,7 +83,7 @@ def main() -> None:
     slot_order = iter(manager.loras * 2)
 
     def to_slot() -> None:
-        manager._release(name := next(slot_order))  # make the copy happen every time
+        manager.slots.evict(name := next(slot_order))  # make the copy happen every time
         manager.activate_adapter(name)
 
     to_slot_s = timed(to_slot, device, args.reps - 1)

@@ -3,7 +3,6 @@
 #   bash bench/gpu_run.sh tests     GPU tests (CUDA graphs, Triton kernels, parity per backend)
 #   bash bench/gpu_run.sh kernels   bench/kernels.py
 #   bash bench/gpu_run.sh decode    bench/decode.py (Triton backend, CUDA graphs) + bench/adapter_load.py
-#   bash bench/gpu_run.sh overlap   bench/overlap.py (LoRA on a side stream beside the base GEMM)
 #   bash bench/gpu_run.sh precision bench/precision.py
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
 set -uo pipefail
@@ -24,8 +23,6 @@ for stage in "$@"; do
     decode)
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
-    overlap)
-      python3 bench/overlap.py 2>&1 | tee "$OUT/overlap.log" | tail -22 ;;
     precision)
       python3 bench/precision.py 2>&1 | grep "|" | tee "$OUT/precision.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -1,5 +1,6 @@
-"""LoRA shrink + expand kernels: Triton (``lora_graph.triton_ops``) against the torch
-reference (``lora_graph.ops``), at decode and prefill sizes, against copy bandwidth.
+"""LoRA shrink + expand kernels: Triton (``lora_graph.kernels.triton_launch``) against the
+torch reference (``lora_graph.kernels.reference``), at decode and prefill sizes, against
+copy bandwidth.
 
 What it measures (H100/H200-class GPU, bf16, max_rank 16, rank-16 adapters, 8 slots):
 
@@ -20,10 +21,7 @@ What it measures (H100/H200-class GPU, bf16, max_rank 16, rank-16 adapters, 8 sl
   (x read, y read and written, h written and read in fp32); and its ratio to the copy
   bandwidth ("% copy"). ``floor_us`` is bytes needed / copy bandwidth.
 - each case's Triton output is checked against the reference on layer 0 (``rel_err``).
-- "fused µs": the same layers through ``lora_apply_triton_`` (shrink + expand in one launch,
-  ``h`` in registers, no memset) up to ``FUSED_MAX_ROWS`` rows; above it the op runs the
-  shrink + expand pair ("fused path" says which). ``fused_rel_err`` checks it like ``rel_err``.
-  ``--sweep`` also times fused tile variants at decode.
+- ``--sweep`` also times tile variants of both kernels at decode.
 
     python bench/kernels.py                 # the H200 run (writes bench/out/kernels.json)
     python bench/kernels.py --sweep         # also try shrink/expand tile variants at decode
@@ -76,15 +74,17 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 if ARGS.smoke:
-    import torch as _torch  # only to ask for CUDA; the interpreter flag must precede the triton_ops import
+    import torch as _torch  # only to ask for CUDA; the interpreter flag must precede the kernels' import
 
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from lora_graph import ops  # noqa: E402
-from lora_graph import triton_ops as T  # noqa: E402
+from lora_graph.kernels import reference  # noqa: E402
+from lora_graph.kernels import triton_config as C  # noqa: E402
+from lora_graph.kernels import triton_launch as T  # noqa: E402
+from lora_graph.layers import slot_stack  # noqa: E402
 from lora_graph.layout import SlotLayout  # noqa: E402
 from lora_graph.targets import LoraTarget  # noqa: E402
 
@@ -189,7 +189,10 @@ class Bed:
                 b = self.layout.b_view(self.slots[slot], name, layer)
                 a[:, :rank] = torch.randn(a[:, :rank].shape, generator=g, device=device, dtype=dtype) / target.in_features ** 0.5
                 b[:, :rank] = torch.randn(b[:, :rank].shape, generator=g, device=device, dtype=dtype) / rank ** 0.5
-        self.blocks = [self.layout.blocks[(name, layer)] for layer in range(layers)]
+        r = max_rank
+        self.stacks = [(slot_stack(self.pool, a_off, (target.num_slices * r, target.in_features)),
+                        slot_stack(self.pool, b_off, (target.out_features, r)))
+                       for a_off, b_off in (self.layout.blocks[(name, layer)] for layer in range(layers))]
         # routing as LoRAManager builds it: max_slots groups, unused ones empty on slot 0
         n_groups = min(n_adapters, n_rows)
         cuts = [round(i * n_rows / n_groups) for i in range(n_groups + 1)]
@@ -202,42 +205,28 @@ class Bed:
         self.y_init = torch.randn(n_rows, target.out_features, generator=g, device=device, dtype=dtype)
         self.y = self.y_init.clone()
 
-    def step(self, backend: str, layers: int | None = None, shrink_cfg=None, expand_cfg=None, fused_cfg=None):
+    def step(self, backend: str, layers: int | None = None, shrink_cfg=None, expand_cfg=None):
         """``fn()`` running shrink + expand for the first ``layers`` layers (``backend``:
-        ``torch``, ``triton`` (the shrink + expand pair) or ``fused`` (``lora_apply_triton_``;
-        with ``fused_cfg``, the fused kernel with forced tiles through ``launch_fused``))."""
+        ``torch`` or ``triton``; with configs, the Triton launchers with forced tiles)."""
         t, r = self.target, self.max_rank
         slices = list(t.out_slices)
-        blocks = self.blocks[: layers or self.layers]
-        x, y, slots, routing = self.x, self.y, self.slots, self.routing
+        stacks = self.stacks[: layers or self.layers]
+        x, y, routing = self.x, self.y, self.routing
         if backend == "torch":
             def fn():
-                for a_off, b_off in blocks:
-                    h = ops.lora_shrink(x, slots, a_off, t.num_slices, r, *routing)
-                    ops.lora_expand_(y, h, slots, b_off, slices, *routing)
-        elif backend == "fused" and fused_cfg is None:
-            def fn():
-                for a_off, b_off in blocks:
-                    T.lora_apply_triton_(y, x, slots, slots, a_off, b_off, t.num_slices, r, slices, *routing)
-        elif backend == "fused":
-            views = [(ops.slot_pool_view(slots, a_off, (t.num_slices * r, t.in_features)),
-                      ops.slot_pool_view(slots, b_off, (t.out_features, r))) for a_off, b_off in blocks]
-
-            def fn():
-                for a, b in views:
-                    T.launch_fused(y, x, a, b, tuple(slices), *routing, r, config=fused_cfg)
+                for a, b in stacks:
+                    h = reference.shrink(x, a, t.num_slices, *routing)
+                    reference.expand_(y, h, b, slices, *routing)
         elif shrink_cfg is None and expand_cfg is None:
             def fn():
-                for a_off, b_off in blocks:
-                    h = T.lora_shrink_triton(x, slots, a_off, t.num_slices, r, *routing)
-                    T.lora_expand_triton_(y, h, slots, b_off, slices, *routing)
+                for a, b in stacks:
+                    h = T.shrink(x, a, t.num_slices, *routing)
+                    T.expand_(y, h, b, slices, *routing)
         else:  # forced tiles, through the launchers
-            views = [(ops.slot_pool_view(slots, a_off, (t.num_slices * r, t.in_features)),
-                      ops.slot_pool_view(slots, b_off, (t.out_features, r))) for a_off, b_off in blocks]
             n = x.shape[0]
 
             def fn():
-                for a, b in views:
+                for a, b in stacks:
                     h = torch.zeros(t.num_slices, n, r, dtype=torch.float32, device=x.device)
                     T.launch_shrink(x, a, h, *routing, r, config=shrink_cfg)
                     T.launch_expand(y, h, b, tuple(slices), *routing, config=expand_cfg)
@@ -252,21 +241,16 @@ class Bed:
         acts = n * t.in_features * e + 2 * n * t.out_features * e + 2 * t.num_slices * n * self.max_rank * 4
         return adapters, acts
 
-    def check(self, fused: bool = False) -> float:
-        """Relative error of one Triton layer (the pair, or ``lora_apply_triton_`` when
-        ``fused``) against the torch reference, from the same y; relative to the delta."""
-        t, r = self.target, self.max_rank
-        a_off, b_off = self.blocks[0]
+    def check(self) -> float:
+        """Relative error of one Triton layer against the torch reference, from the same y;
+        relative to the delta."""
+        t = self.target
+        a, b = self.stacks[0]
         ref = self.y_init.clone()
-        h = ops.lora_shrink(self.x, self.slots, a_off, t.num_slices, r, *self.routing)
-        ops.lora_expand_(ref, h, self.slots, b_off, list(t.out_slices), *self.routing)
+        reference.expand_(ref, reference.shrink(self.x, a, t.num_slices, *self.routing), b, list(t.out_slices),
+                          *self.routing)
         got = self.y_init.clone()
-        if fused:
-            T.lora_apply_triton_(got, self.x, self.slots, self.slots, a_off, b_off, t.num_slices, r,
-                                 list(t.out_slices), *self.routing)
-        else:
-            h2 = T.lora_shrink_triton(self.x, self.slots, a_off, t.num_slices, r, *self.routing)
-            T.lora_expand_triton_(got, h2, self.slots, b_off, list(t.out_slices), *self.routing)
+        T.expand_(got, T.shrink(self.x, a, t.num_slices, *self.routing), b, list(t.out_slices), *self.routing)
         delta_ref = ref.double() - self.y_init.double()
         err = (got.double() - ref.double()).norm() / delta_ref.norm().clamp_min(1e-30)
         return float(err)
@@ -349,10 +333,6 @@ def main() -> None:
                     t_tri, how = per_layer_time(bed, "triton", layers, device)
                     row.update(triton_us=t_tri * 1e6, timing=how, triton_GBps=total / t_tri / 1e9,
                                triton_pct_copy=100 * total / t_tri / copy_bw)
-                    row["fused_rel_err"] = bed.check(fused=True)
-                    t_fused, _ = per_layer_time(bed, "fused", layers, device)
-                    row.update(fused_us=t_fused * 1e6, fused_path="fused" if n <= T.FUSED_MAX_ROWS else "pair",
-                               fused_GBps=total / t_fused / 1e9)
                 if not ARGS.skip_torch:
                     ref_layers = min(layers, 32 if device.type == "cuda" else layers)
                     t_ref, how_ref = per_layer_time(bed, "torch", ref_layers, device)
@@ -368,26 +348,22 @@ def main() -> None:
                     torch.cuda.empty_cache()
 
     sweep = run_sweep(targets, device, dtype, copy_bw) if ARGS.sweep and triton_ok else []
-    fused_sweep = run_fused_sweep(targets, device, dtype) if ARGS.sweep and triton_ok else []
 
     print()
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s ({info['device']}, {ARGS.dtype}, rank {ARGS.rank}, "
           f"max_rank {ARGS.max_rank}, timing per layer: {info['timing']})")
     print()
-    print(f"fused µs: lora_apply_triton_ (one fused launch up to {T.FUSED_MAX_ROWS} rows, the shrink + expand "
-          "pair above: 'fused path')")
-    print()
-    print("| target | phase | tokens | adapters | floor µs | triton µs | fused µs | fused path | torch µs | speedup "
-          "| triton GB/s | triton % copy | rel err | fused rel err |")
-    print("|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| target | phase | tokens | adapters | floor µs | triton µs | torch µs | speedup "
+          "| triton GB/s | triton % copy | rel err |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def f(key, fmt, r=r):
             return format(r[key], fmt) if key in r else "-"
 
         print(f"| {r['target']} | {r['phase']} | {r['tokens']} | {r['adapters']} | {f('floor_us', '.2f')} | "
-              f"{f('triton_us', '.2f')} | {f('fused_us', '.2f')} | {r.get('fused_path', '-')} | {f('torch_us', '.2f')} | "
+              f"{f('triton_us', '.2f')} | {f('torch_us', '.2f')} | "
               f"{f('speedup', '.1f')} | {f('triton_GBps', '.0f')} | "
-              f"{f('triton_pct_copy', '.1f')} | {f('rel_err', '.1e')} | {f('fused_rel_err', '.1e')} |")
+              f"{f('triton_pct_copy', '.1f')} | {f('rel_err', '.1e')} |")
     if sweep:
         print()
         print("| target | tokens | shrink (BM,BN,BK,SPLIT_K,cap) | expand (BM,BN,cap) | µs | default µs | default shrink | default expand |")
@@ -396,17 +372,9 @@ def main() -> None:
             print(f"| {s['target']} | {s['tokens']} | {s['shrink']} | {s['expand']} | {s['us']:.2f} | {s['default_us']:.2f} "
                   f"| {s['default_shrink']} | {s['default_expand']} |")
 
-    if fused_sweep:
-        print()
-        print("| target | tokens | fused (BM,BN,BK,SUB_N,warps,stages) | µs | default µs | default fused |")
-        print("|---|---:|---|---:|---:|---|")
-        for s in fused_sweep:
-            print(f"| {s['target']} | {s['tokens']} | {s['fused']} | {s['us']:.2f} | {s['default_us']:.2f} "
-                  f"| {s['default_fused']} |")
-
     out = Path(ARGS.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(info=info, cases=rows, sweep=sweep, fused_sweep=fused_sweep), indent=1))
+    out.write_text(json.dumps(dict(info=info, cases=rows, sweep=sweep), indent=1))
     print(f"\nwrote {out}")
 
 
@@ -428,8 +396,8 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
             bed = Bed(tname, target, layers, n, 4, rank=ARGS.rank, max_rank=ARGS.max_rank, max_slots=ARGS.max_slots,
                       dtype=dtype, device=device)
             default_s, _ = per_layer_time(bed, "triton", layers, device)
-            base_s = T.shrink_config(n, k, sr, bed.x.element_size(), sms)
-            base_e = T.expand_config(n, max(slices), ARGS.max_rank, bed.x.element_size(), sms)
+            base_s = C.shrink_config(n, k, sr, bed.x.element_size(), sms)
+            base_e = C.expand_config(n, max(slices), ARGS.max_rank, bed.x.element_size(), sms)
             results = []
             bm = base_s.block_m
             for bk in ((32,) if ARGS.smoke else (32, 64, 128)):
@@ -437,7 +405,7 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
                     for cap in caps:
                         if bm <= 4 and bm * base_s.block_n * bk > 8192:
                             continue
-                        cfg = T._finish_shrink(k, bm, base_s.block_n, bk, split, base_s.num_warps, base_s.num_stages, cap)
+                        cfg = C._finish_shrink(k, bm, base_s.block_n, bk, split, base_s.num_warps, base_s.num_stages, cap)
                         t_s, _ = per_layer_time(bed, "triton", layers, device, shrink_cfg=cfg, expand_cfg=base_e)
                         results.append((t_s, cfg, base_e))
             best_shrink = min(results, key=lambda r: r[0])[1]
@@ -445,7 +413,7 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
                 for cap in caps:
                     if base_e.block_m <= 4 and base_e.block_m * bn * base_e.block_r > 16384:
                         continue
-                    ecfg = T.ExpandConfig(base_e.block_m, bn, base_e.block_r,
+                    ecfg = C.ExpandConfig(base_e.block_m, bn, base_e.block_r,
                                           num_warps=4 if base_e.block_m * bn < 4096 else 8, max_programs=cap)
                     t_e, _ = per_layer_time(bed, "triton", layers, device, shrink_cfg=best_shrink, expand_cfg=ecfg)
                     results.append((t_e, best_shrink, ecfg))
@@ -458,52 +426,6 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
                                                 base_s.max_programs),
                                 default_expand=(base_e.block_m, base_e.block_n, base_e.max_programs)))
                 print(f"  sweep {tname} n={n}: {out[-1]}", flush=True)
-            del bed
-    return out
-
-
-def run_fused_sweep(targets, device, dtype) -> list[dict]:
-    """Time tile variants of the fused kernel at decode (4 adapters): BLOCK_N x BLOCK_K x
-    num_warps (the default BLOCK_M; SUB_N bounded as the heuristic bounds it); report the
-    best few per size."""
-    out = []
-    sizes = (1, 8) if ARGS.smoke else (1, 4, 8, 32, 64)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    for tname, (k, slices) in targets.items():
-        target = LoraTarget(k, tuple(slices))
-        for n in sizes:
-            layers = layers_for(layer_bytes(target, n, min(4, n), dtype), ARGS.smoke)
-            bed = Bed(tname, target, layers, n, 4, rank=ARGS.rank, max_rank=ARGS.max_rank, max_slots=ARGS.max_slots,
-                      dtype=dtype, device=device)
-            base = T.fused_config(n, k, target.out_features, max(slices), ARGS.max_rank, ARGS.max_slots,
-                                  bed.x.element_size(), sms)
-            default_s, _ = per_layer_time(bed, "fused", layers, device, fused_cfg=base)
-            results = []
-            bases = [base]
-            if n <= 4:  # also the broadcast-reduce tiles (FUSED_BROADCAST_MAX_ROWS)
-                bases.append(T.fused_config(n, k, target.out_features, max(slices), ARGS.max_rank, ARGS.max_slots,
-                                            bed.x.element_size(), sms, broadcast_max_rows=4))
-            for b0 in bases:
-                bm, br = b0.block_m, b0.block_r
-                for bn in ((16, 32) if ARGS.smoke else (64, 128, 256, 512)):
-                    for bk in ((16, 32) if ARGS.smoke else (64, 128, 256, 512)):
-                        for warps in ((4,) if ARGS.smoke else (4, 8)):
-                            if not b0.use_dot and bm * br * bk > 8192 * warps // 4:
-                                continue  # the broadcast accumulator would spill
-                            if b0.use_dot and bk > 256:
-                                continue
-                            sub_n = min(bn, 64) if b0.use_dot else max(16, min(bn, 4096 * warps // 4 // (bm * br)))
-                            cfg = T.FusedConfig(bm, bn, bk, br, sub_n, num_warps=warps, num_stages=b0.num_stages,
-                                                max_programs=b0.max_programs)
-                            t_f, _ = per_layer_time(bed, "fused", layers, device, fused_cfg=cfg)
-                            results.append((t_f, cfg))
-            results.sort(key=lambda r: r[0])
-            for t_, c in results[:3]:
-                out.append(dict(target=tname, tokens=n, us=t_ * 1e6, default_us=default_s * 1e6,
-                                fused=(c.block_m, c.block_n, c.block_k, c.sub_n, c.num_warps, c.num_stages),
-                                default_fused=(base.block_m, base.block_n, base.block_k, base.sub_n, base.num_warps,
-                                               base.num_stages)))
-                print(f"  fused sweep {tname} n={n}: {out[-1]}", flush=True)
             del bed
     return out
 

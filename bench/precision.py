@@ -39,6 +39,7 @@ from lora_graph.models import LlamaPipeline  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--smoke", action="store_true", help="the CPU only (the model is tiny either way)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     root = Path(tempfile.mkdtemp())
@@ -54,7 +55,7 @@ def main() -> None:
     def err(got: list[torch.Tensor]) -> list[float]:
         return [float((g.float().cpu() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
 
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.smoke else [])
     for device in devices:
         for label, slot_dtype, autocast in (("adapters " + args.dtype, None, False), ("adapters float32", torch.float32, True)):
             same = PeftReference(tiny, dtype=dtype, device=device, autocast_adapter_dtype=autocast)

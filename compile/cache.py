@@ -5,7 +5,7 @@ per key serves every layer, so start-up compiles a layer, not the whole stack), 
 step around it is captured per key. Each capture key gets its own step over persistent
 input buffers (tokens,
 positions, KV cache rows, logits index), allocated once at the largest bucket; the LoRA
-inputs are the manager's persistent routing buffers and slot stacks. A step is padded up
+inputs are the manager's persistent routing buffer and the slot pool the LoRA layers view. A step is padded up
 to its bucket, copied into the buffers, and replayed: ``torch.compile`` (inductor) graphs
 everywhere, and on CUDA, optionally a ``torch.cuda.CUDAGraph`` captured by hand over the
 compiled step, so a replay is one graph launch.
@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, is_base_only, node_capture_key
+from lora_graph.routing import Routing
 
 Mode = Literal["inductor", "cudagraph"]
 
@@ -33,11 +34,13 @@ Mode = Literal["inductor", "cudagraph"]
 @dataclass
 class CapturedGraph:
     """One captured step: its key, the ops its compiled regions call, how many region
-    graphs its capture compiled (1: every layer shares one), and its replay count."""
+    graphs its capture compiled (1: every layer shares one), the inputs of its largest
+    region graph, and its replay count."""
 
     key: Any
     ops: frozenset[str] = frozenset()
     compiles: int = 0
+    inputs: int = 0
     replays: int = 0
     runner: Callable[[], Tensor] | None = field(default=None, repr=False)
 
@@ -128,15 +131,12 @@ class GraphCache:
         """The capture key of a step: its phase and bucket, base-only if no LoRA inputs."""
         b, t = inputs.tokens.shape
         key = CaptureKey("prefill", b, self.prefill_length(t) or t) if inputs.prefill else CaptureKey("decode", self.decode_width(b))
-        return key if inputs.lora_inputs else LoraBaseOnly(key)
+        return key if inputs.routing is not None else LoraBaseOnly(key)
 
     # ---- capture ------------------------------------------------------------------------
-    def _step(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor, *lora_inputs: Tensor,
-              prefill: bool) -> Tensor:
-        model = self.pipeline.model
-        if self.pipeline.manager is None:
-            return model(tokens, positions, cache_rows, logits_index, prefill)
-        return model(tokens, positions, cache_rows, logits_index, prefill, lora_inputs=lora_inputs)
+    def _step(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor,
+              routing: Routing | None = None, *, prefill: bool) -> Tensor:
+        return self.pipeline.model(tokens, positions, cache_rows, logits_index, prefill, routing)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
@@ -146,16 +146,17 @@ class GraphCache:
         else:
             graph = self.graphs[self._capturing]
             graph.ops = graph.ops | _op_names(gm)
+            graph.inputs = max(graph.inputs, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
             graph.compiles += 1
         return compile_fx(gm, example_inputs)
 
-    def _static_args(self, key: Any) -> tuple[Tensor, ...]:
+    def _static_args(self, key: Any) -> tuple[Any, ...]:
         k = node_capture_key(key)
         args = (self._tokens[: k.batch, : k.seq_len], self._positions[: k.batch, : k.seq_len],
                 self._cache_rows[: k.batch], self._logits_index[: k.batch])
         if is_base_only(key):
             return args
-        return (*args, *self.pipeline.manager.input_buffers([], [0]))
+        return (*args, self.pipeline.manager.routing.routing)
 
     def capture(self, *, progress: bool = True) -> None:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""

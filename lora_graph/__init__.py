@@ -3,6 +3,7 @@
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig, LoraReqConfig
 from lora_graph.layers import LoRALinear
 from lora_graph.manager import LoRAManager, LoRAStatus, NoFreeSlotError
+from lora_graph.routing import Routing
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "LoraReqConfig",
     "LoraTarget",
     "NoFreeSlotError",
+    "Routing",
 ]

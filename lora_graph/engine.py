@@ -193,15 +193,16 @@ class LLMEngine:
         while self.waiting and self._free_rows:
             seq = self.waiting[0]
             if seq.adapter is not None and manager is not None:
-                if not manager.is_lora(seq.adapter):  # unloaded while it waited
+                try:
+                    hold = manager.admit(seq.adapter, names)
+                except KeyError as e:  # unloaded while it waited
                     self.waiting.popleft()
-                    self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter,
-                                                                  error=f"adapter {seq.adapter!r} was unloaded")
+                    self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter, error=e.args[0])
                     continue
-                if not manager.can_activate(names | {seq.adapter}):
+                if hold is None:  # its adapter cannot take a slot beside the running ones yet
                     break
                 names.add(seq.adapter)
-                seq.hold = manager.acquire(seq.adapter)
+                seq.hold = hold
             self.waiting.popleft()
             seq.cache_row = self._free_rows.pop(0)
             admitted.append(seq)

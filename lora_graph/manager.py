@@ -1,82 +1,34 @@
-"""The adapter pool: registry, host tier, device slots, routing, and the model wrapper.
+"""The LoRA manager: one façade over the parts of the adapter pool.
 
-Adapters ride into the step as inputs: the routing triple, then one stacked adapter per
-slot (views of one persistent pool). Loading, evicting or replacing an adapter rewrites a
-slot in place; nothing is recompiled and no weight is re-bound.
+- :class:`~lora_graph.registry.AdapterRegistry`: names, versions, holds, reload, unload.
+- :class:`~lora_graph.slots.HostTier` and :class:`~lora_graph.slots.SlotPool`: where the
+  normalised weights live (host memory, device slots).
+- :class:`~lora_graph.routing.RoutingBuffer`: the step's routing.
+- :mod:`lora_graph.wrapping`: the model's LoRA layers, holding views of the slot pool.
+
+The parts import nothing of each other; the manager moves slots and images when the
+registry renames or frees a version. Adapters ride into the step as inputs (the slot pool
+the layers view, and the routing); loading, evicting or replacing one rewrites a slot in
+place, so nothing is recompiled and no weight is re-bound.
 """
 
 from __future__ import annotations
 
-import enum
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
+from lora_graph.checkpoint import AdapterReader, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
-from lora_graph.layers import BoundInputs, LoRAEmbedding, LoRALinear
 from lora_graph.layout import SlotLayout
+from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
+from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, group_batch, sort_lora_batch
+from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
 from lora_graph.targets import LoraModuleRef, LoraTarget
-
-WeightsAdapter = Callable[[dict[str, Tensor]], dict[str, Tensor]]
-_ROUTING_INPUTS = 5  # lora_ids, grouped_offsets, end, segment_offsets, segment_end
-
-
-class HasAdapter(Protocol):
-    adapter: str | None
-
-
-class LoRAStatus(enum.Enum):
-    """The outcome of a load or unload."""
-
-    LOADED = "loaded"
-    RELOADED = "reloaded"  # a known name with new weights
-    UNCHANGED = "unchanged"  # a known name with the same weights
-    UNLOADED = "unloaded"
-
-
-class NoFreeSlotError(RuntimeError):
-    """Every slot holds a pinned adapter or one of the running batch."""
-
-
-@dataclass(eq=False)
-class AdapterRef:
-    """A request's hold on the version of an adapter it was admitted under
-    (:meth:`LoRAManager.acquire`). ``key`` is what its batch rows route by: the adapter's
-    name while that version is current, ``name@<digest prefix>`` once a reload replaced it
-    (the manager updates it in place); the version stays served until its last hold is
-    released."""
-
-    name: str
-    digest: str
-    key: str
-
-
-class InputSpec(NamedTuple):
-    """One compile input: its name, shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass
-class LoadedAdapter:
-    """A registered adapter: its identity (``name``, ``digest``), rank, and host image
-    (None once it has left the host tier; it is read from ``source`` again when needed)."""
-
-    name: str
-    source: AdapterSource
-    digest: str
-    rank: int
-    pinned: bool
-    image: Tensor | None
+from lora_graph.wrapping import LoRALayer, WeightsAdapter, lora_weight_adapter, wrap_model
 
 
 class LoRAManager:
@@ -86,7 +38,7 @@ class LoRAManager:
         config: pool sizes and served adapters.
         targets: the model's LoRA targets by name (narrowed by ``config.targets``).
         module_map: places a checkpoint module name on a target slice.
-        module_path: ``(target, layer) -> attribute path`` of the base linear in the model.
+        module_path: ``(target, layer) -> attribute path`` of the base module in the model.
         num_layers: layers of the model.
         dtype: slot dtype (``config.dtype`` wins when set).
         device: where slots and routing live.
@@ -94,6 +46,9 @@ class LoRAManager:
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new
     adapter lacks and ranks above its rank are zero.
+
+    Raises:
+        ValueError: for a ``config.targets`` name the model does not have.
     """
 
     def __init__(self, config: LoRAConfig, *, targets: dict[str, LoraTarget], module_map: ModuleMap,
@@ -111,89 +66,65 @@ class LoRAManager:
         self.dtype = config.dtype or dtype
         self.layout = SlotLayout(targets, num_layers, config.max_rank)
         self.reader = AdapterReader(targets, module_map, num_layers)
-        self._module_path = module_path
-        num_slots = config.num_slots
-        self.pool = torch.zeros(num_slots, self.layout.numel, dtype=self.dtype, device=self.device)
-        self._slot_views = tuple(self.pool[s] for s in range(num_slots))
-        self._active: OrderedDict[str, int] = OrderedDict()  # adapter -> its slot, LRU order, oldest first
-        self._adapters: dict[str, LoadedAdapter] = {}
-        self._host_lru: OrderedDict[str, None] = OrderedDict()
-        self._running: frozenset[str] = frozenset()
-        self._unloading: set[str] = set()  # unloaded or replaced while requests still hold them
-        self._holds: dict[str, list[AdapterRef]] = {}  # routing key -> requests in flight on it
         self.kernels = ops.kernels(config.backend, self.device)
-        self._bound = BoundInputs()
-        self._bound_slots: tuple[Tensor, ...] = ()  # the slot stacks the layers hold views of
-        self._layer_at: dict[tuple[str, int], LoRALinear | LoRAEmbedding] = {}  # filled by wrap()
-        pin = self.device.type == "cuda"
-        # the five routing tensors are views of one device buffer, refilled by one copy a step:
-        # lora_ids [g] | grouped_offsets [g + 1] | end [1] | segment_offsets [g + 1] | segment_end [1],
-        # each from a 16-byte boundary
-        g = config.max_slots
-        sizes = (g, g + 1, 1, g + 1, 1)
-        starts = [sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]
-        self._routing_slices = [slice(start, start + n) for start, n in zip(starts, sizes, strict=True)]
-        total = self._routing_slices[-1].stop
-        self._routing = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self._lora_ids, self._offsets, self._end, self._segment_offsets, self._segment_end = (
-            self._routing[sl] for sl in self._routing_slices)
-        self._staging = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        # the last non-blocking copy out of the staging buffer: it must land before a refill
-        self._staged = torch.cuda.Event() if pin else None
-        self.slot_loads = 0  # weight copies into slots; a steady-state step makes none
+        self.registry = AdapterRegistry()
+        self.host = HostTier(config.cpu_capacity, pin=self.device.type == "cuda", spare=self.registry.is_unloading)
+        self.slots = SlotPool(config.num_slots, self.layout.numel, dtype=self.dtype, device=self.device)
+        self.routing = RoutingBuffer(config.max_slots, self.device)
+        self._module_path = module_path
+        self._running: frozenset[str] = frozenset()
+        self.layers: dict[tuple[str, int], LoRALayer] = {}  # filled by wrap()
 
     # ---- registry -------------------------------------------------------------------
     @property
     def loras(self) -> list[str]:
         """The loaded adapter names (those being unloaded excluded)."""
-        return [n for n in self._adapters if n not in self._unloading]
+        return self.registry.loras
 
     def is_lora(self, name: str) -> bool:
         """Whether ``name`` is a loaded adapter (one being unloaded is not)."""
-        return name in self._adapters and name not in self._unloading
+        return self.registry.is_lora(name)
 
     def is_active_lora(self, name: str) -> bool:
         """Whether ``name`` holds a device slot."""
-        return name in self._active
+        return self.slots.slot_of(name) is not None
+
+    @property
+    def pool(self) -> Tensor:
+        """The slot pool ``[num_slots, layout.numel]`` every LoRA layer views."""
+        return self.slots.pool
 
     @property
     def slot_owners(self) -> list[str | None]:
-        """The adapter (routing key) each slot holds, slot 0 (the zero adapter) included: None."""
-        owners: list[str | None] = [None] * self.config.num_slots
-        for name, slot in self._active.items():
-            owners[slot] = name
-        return owners
+        """The adapter (routing key) each slot holds, slot 0 included: None."""
+        return self.slots.owners
+
+    @property
+    def slot_loads(self) -> int:
+        """Weight copies into slots so far; a steady-state decode step makes none."""
+        return self.slots.loads
 
     def adapter(self, name: str) -> LoadedAdapter:
-        """The registry entry of a loaded adapter.
+        """The registry entry of an adapter version (by routing key).
 
         Raises:
             KeyError: if ``name`` is not loaded.
         """
-        try:
-            return self._adapters[name]
-        except KeyError:
-            raise KeyError(f"adapter {name!r} is not loaded") from None
+        return self.registry.get(name)
 
     def adapter_info(self, path: str) -> AdapterInfo:
         """Rank, unmapped modules and misfits of the adapter at ``path``, from its header."""
-        src = resolve_adapter(path)
-        return self.reader.info(path, src)
+        return self.reader.info(path, resolve_adapter(path))
 
     def check_adapter(self, path: str, *, name: str | None = None) -> AdapterInfo:
         """Validate the adapter at ``path`` from its ``adapter_config.json`` and safetensors
-        header alone (no tensor data is read; a ``.bin`` checkpoint has no header and is
-        read whole), as :meth:`load_adapter` would before loading it. Its saved base
-        weights, if any, are compared with the model's only at load.
-
-        Returns:
-            its :class:`AdapterInfo`.
+        header alone (no tensor data is read; a ``.bin`` checkpoint is read whole), as
+        :meth:`load_adapter` would before loading it. Saved base weights, if any, are
+        compared with the model's only at load.
 
         Raises:
-            AdapterError: naming the module and the cause: ``use_dora``, a ``bias`` other
-                than ``"none"``, ``modules_to_save``, no LoRA tensors, a rank above
-                ``max_rank``, a module outside the served targets, or a shape that does not
-                fit its target.
+            AdapterError: naming the module or config field and the cause (see
+                :meth:`AdapterReader.check_config` and :meth:`AdapterReader.check`).
         """
         label = name or path
         src = resolve_adapter(path)
@@ -229,39 +160,47 @@ class LoRAManager:
         expected = self.config.adapter_digests.get(name)
         if expected is not None and expected != digest:
             raise AdapterError(f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected {expected[:12]}…")
-        old = self._adapters.get(name)
+        old = self.registry.get(name) if name in self.registry else None
         if old is not None and old.digest == digest:
             if pin and not old.pinned:
                 self._check_pin(name)
                 old.pinned = True
                 self.activate_adapter(name)
-            self._unloading.discard(name)
+            self.registry.keep(name)
             return LoRAStatus.UNCHANGED
         image, rank, saved_base = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
         self._check_saved_base(name, saved_base)
         if pin:
             self._check_pin(name)
         if old is not None:
-            if self._holds.get(name):
+            if self.registry.held(name):
                 self._retire(name)
             else:
-                self._active.pop(name, None)
-        self._unloading.discard(name)
-        self._adapters[name] = LoadedAdapter(name, src, digest, rank, pin, self._to_host(image))
-        self._touch_host(name)
+                self.registry.drop(name)
+                self.slots.evict(name)
+                self.host.pop(name)
+        self.registry.add(LoadedAdapter(name, src, digest, rank, pin))
+        self.host.put(name, image)
         if pin:
             self.activate_adapter(name)
         return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
+
+    def load_configured(self) -> None:
+        """Load ``config.adapters`` (checked against ``config.adapter_digests``).
+
+        Raises:
+            AdapterError: for the first that cannot be served, naming it.
+        """
+        for name, path in self.config.adapters.items():
+            self.load_adapter(path, name=name)
 
     def _check_saved_base(self, name: str, saved_base: dict[LoraModuleRef, Tensor]) -> None:
         """Refuse an adapter whose file carries base weights (PEFT saves the targeted
         embedding's and LM head's) that differ from the served model's beyond the rounding
         of the two dtypes: it was trained with its own embedding (new or trained tokens),
         and serving only its LoRA pairs would be a silent wrong answer."""
-        if not self._layer_at:
-            return
         for ref, saved in saved_base.items():
-            layer = self._layer_at.get((ref.target, ref.layer))
+            layer = self.layers.get((ref.target, ref.layer))
             if layer is None:
                 continue
             served = layer.base.weight
@@ -276,47 +215,30 @@ class LoRAManager:
 
     def _check_pin(self, name: str) -> None:
         """Refuse a pin that would leave too few slots: at most ``max_slots - 1`` pinned, and
-        the adapters requests in flight hold must still fit beside the pinned ones (a decode
-        step names them all at once).
+        the adapters requests in flight hold must still fit beside the pinned ones.
 
         Raises:
             NoFreeSlotError: naming the limit.
         """
-        pinned = {a.name for a in self._adapters.values() if a.pinned and a.name != name}
+        pinned = {a.name for a in self.registry.entries() if a.pinned and a.name != name}
         if len(pinned) >= self.config.max_slots - 1:
             raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
-        held = {key for key, holds in self._holds.items() if holds}
-        needed = held | pinned | {name}
-        if len(needed) > self.config.max_slots:
+        held = self.registry.held_keys()
+        if len(held | pinned | {name}) > self.config.max_slots:
             raise NoFreeSlotError(f"adapter {name!r}: pinning it would leave too few of the {self.config.max_slots} slots "
                                   f"for the {len(held)} adapters that requests in flight use")
 
     def _retire(self, name: str) -> None:
-        """Move the current version of ``name`` to its own routing key ``name@<digest>``, for
-        the requests that hold it; it is freed when they are done. It keeps its slot, and a
-        host image (copied back from the slot if it had left the host tier: its file may be
-        rewritten). The same weights retired before and still held share that entry."""
-        entry = self._adapters.pop(name)
-        alias = f"{name}@{entry.digest[:12]}"
-        slot = self._active.pop(name, None)
-        self._host_lru.pop(name, None)
-        if entry.image is None and slot is not None:
-            entry.image = self._to_host(self._slot_views[slot].to("cpu", copy=True))
-        existing = self._adapters.get(alias)
-        if existing is None:
-            entry.name, entry.pinned = alias, False
-            self._adapters[alias] = existing = entry
-        elif existing.image is None:
-            existing.image = entry.image
-        if slot is not None and alias not in self._active:  # (else a duplicate of the same weights: its slot is freed)
-            self._active[alias] = slot
-        if existing.image is not None:
-            self._host_lru[alias] = None  # kept while held: _touch_host spares unloading versions
-        holds = self._holds.pop(name)
-        for ref in holds:
-            ref.key = alias
-        self._holds.setdefault(alias, []).extend(holds)
-        self._unloading.add(alias)
+        """Move the held current version of ``name`` to ``name@<digest>`` for the requests
+        that hold it. It keeps its slot and a host image (copied back from the slot if it
+        had left the host tier: its file may be rewritten)."""
+        image = self.host.pop(name)
+        if image is None:
+            image = self.slots.read(name)
+        alias, _ = self.registry.retire(name)
+        self.slots.rename(name, alias)
+        if alias not in self.host and image is not None:
+            self.host.put(alias, image)
 
     def acquire(self, name: str) -> AdapterRef:
         """Hold the current version of ``name`` for a request admitted under it: an unload
@@ -325,62 +247,30 @@ class LoRAManager:
         Raises:
             KeyError: if ``name`` is not loaded (or is being unloaded).
         """
-        if not self.is_lora(name):
-            raise KeyError(f"adapter {name!r} is not loaded")
-        ref = AdapterRef(name, self._adapters[name].digest, name)
-        self._holds.setdefault(name, []).append(ref)
-        return ref
+        return self.registry.acquire(name)
 
     def release(self, ref: AdapterRef) -> None:
         """Drop a request's hold (it finished or was aborted); a version that was unloaded or
         replaced is freed with its last hold. Releasing twice is harmless."""
-        holds = self._holds.get(ref.key, [])
-        if ref in holds:
-            holds.remove(ref)
-            if not holds:
-                del self._holds[ref.key]
-        self._purge_unloaded(between_steps=True)
+        self.registry.release(ref)
+        self._purge(frozenset())
 
     def unload_adapter(self, name: str) -> LoRAStatus:
         """Stop serving ``name``: new requests naming it are refused at once; requests that
-        hold it (:meth:`acquire`) finish on it, and its slot and host image are freed when
-        the last is released and no running batch names it.
+        hold it finish on it, and its slot and host image are freed when the last is
+        released and no running batch names it.
 
         Raises:
             KeyError: if ``name`` is not loaded.
         """
-        if not self.is_lora(name):
-            raise KeyError(f"adapter {name!r} is not loaded")
-        self._unloading.add(name)
-        self._purge_unloaded()
+        self.registry.begin_unload(name)
+        self._purge(self._running)
         return LoRAStatus.UNLOADED
 
-    def _purge_unloaded(self, *, between_steps: bool = False) -> None:
-        """Free unloaded or replaced versions that no request holds and, unless called
-        between steps, that the batch being activated does not name."""
-        running = frozenset() if between_steps else self._running
-        for name in [n for n in self._unloading if n not in running and not self._holds.get(n)]:
-            self._unloading.discard(name)
-            self._active.pop(name, None)
-            del self._adapters[name]
-            self._host_lru.pop(name, None)
-
-    def _to_host(self, image: Tensor) -> Tensor:
-        return image.pin_memory() if self.device.type == "cuda" else image
-
-    def _touch_host(self, name: str) -> None:
-        """Mark ``name`` most recently used in the host tier and drop the least recently
-        used images beyond ``cpu_capacity``. Versions being unloaded or replaced keep their
-        image while requests still hold them: their files may be gone or rewritten, and
-        those requests must finish on them."""
-        self._host_lru[name] = None
-        self._host_lru.move_to_end(name)
-        while len(self._host_lru) > self.config.cpu_capacity:
-            victim = next((k for k in self._host_lru if k != name and k not in self._unloading), None)
-            if victim is None:
-                break
-            self._host_lru.pop(victim)
-            self._adapters[victim].image = None
+    def _purge(self, running: frozenset[str]) -> None:
+        for key in self.registry.purge(running):
+            self.slots.evict(key)
+            self.host.pop(key)
 
     def _host_image(self, entry: LoadedAdapter) -> Tensor:
         """The adapter's host image, read back from its file if it left the host tier.
@@ -389,25 +279,25 @@ class LoRAManager:
             AdapterError: with ``adapter`` set, if the file is gone, unreadable, or changed
                 since the adapter was loaded.
         """
-        if entry.image is None:
-            try:
-                if entry.source.digest() != entry.digest:
-                    raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
-                image, _, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
-                                            dtype=self.dtype)
-            except (OSError, AdapterError) as e:
-                message = str(e) if isinstance(e, AdapterError) else (
-                    f"adapter {entry.name!r}: cannot read it back from {entry.source.weights_path} ({e})")
-                raise AdapterError(message, adapter=entry.name) from e
-            entry.image = self._to_host(image)
-        self._touch_host(entry.name)
-        return entry.image
+        image = self.host.get(entry.name)
+        if image is not None:
+            return image
+        try:
+            if entry.source.digest() != entry.digest:
+                raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
+            image, _, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
+                                           dtype=self.dtype)
+        except (OSError, AdapterError) as e:
+            message = str(e) if isinstance(e, AdapterError) else (
+                f"adapter {entry.name!r}: cannot read it back from {entry.source.weights_path} ({e})")
+            raise AdapterError(message, adapter=entry.name) from e
+        return self.host.put(entry.name, image)
 
     # ---- slots ----------------------------------------------------------------------
     def activate_adapter(self, name: str) -> int:
         """Give ``name`` a device slot (LRU) and return it; copies its weights in only if
         the slot does not already hold them. Never evicts a pinned adapter or one of the
-        running batch.
+        running batch; prefers to evict adapters no request in flight holds.
 
         Raises:
             KeyError: if ``name`` is not loaded.
@@ -415,50 +305,42 @@ class LoRAManager:
             AdapterError: with ``adapter=name``, if its weights left the host tier and cannot
                 be read back (the file is gone or changed).
         """
-        entry = self.adapter(name)
-        slot = self._active.get(name)
-        if slot is not None:
-            self._active.move_to_end(name)
-            return slot
-        slot = self._free_slot()
-        image = self._host_image(entry)
-        self._slot_views[slot].copy_(image, non_blocking=True)
-        self.slot_loads += 1
-        self._active[name] = slot
-        return slot
-
-    def _free_slot(self) -> int:
-        """A free slot, else the least recently used one whose adapter is neither pinned nor
-        in the running batch, preferring adapters no request in flight holds."""
-        taken = set(self._active.values())
-        free = next((slot for slot in range(1, self.config.num_slots) if slot not in taken), None)
-        if free is not None:
-            return free
-        evictable = [(v, s) for v, s in self._active.items() if v not in self._running and not self._adapters[v].pinned]
-        if evictable:
-            victim, slot = next(((v, s) for v, s in evictable if not self._holds.get(v)), evictable[0])
-            del self._active[victim]
-            return slot
-        raise NoFreeSlotError(f"all {self.config.max_slots} slots hold pinned adapters or adapters of the running batch")
+        entry = self.registry.get(name)
+        return self.slots.activate(name, lambda: self._host_image(entry),
+                                   protected=lambda k: k in self._running or self.registry.get(k).pinned,
+                                   prefer=lambda k: not self.registry.held(k))
 
     def can_activate(self, names: set[str]) -> bool:
         """Whether every adapter in ``names`` can hold a slot at once (the scheduler asks
         this before admitting a request)."""
-        pinned_other = sum(1 for a in self._adapters.values() if a.pinned and a.name not in names)
+        pinned_other = sum(1 for a in self.registry.entries() if a.pinned and a.name not in names)
         return len(names) <= self.config.max_slots - pinned_other
+
+    def admit(self, name: str, running: set[str]) -> AdapterRef | None:
+        """The scheduler's one call to admit a request under adapter ``name`` beside the
+        adapters of ``running``: its hold, or None if the slots cannot take it now.
+
+        Raises:
+            KeyError: if ``name`` is not loaded (it was unloaded while the request waited).
+        """
+        if not self.registry.is_lora(name):
+            raise KeyError(f"adapter {name!r} was unloaded")
+        if not self.can_activate(running | {name}):
+            return None
+        return self.registry.acquire(name)
 
     def activate_batch(self, batch: Sequence[HasAdapter]) -> None:
         """Make every adapter of ``batch`` active, protecting them from each other's eviction.
 
         Raises:
             ValueError: if the batch names more distinct adapters than there are slots.
-            KeyError, NoFreeSlotError: as :meth:`activate_adapter`.
+            KeyError, NoFreeSlotError, AdapterError: as :meth:`activate_adapter`.
         """
         names = {r.adapter for r in batch if r.adapter is not None}
         if len(names) > self.config.max_slots:
             raise ValueError(f"a batch names {len(names)} distinct adapters but there are {self.config.max_slots} slots")
         self._running = frozenset(names)
-        self._purge_unloaded()
+        self._purge(self._running)
         for name in names:
             self.activate_adapter(name)
 
@@ -466,189 +348,52 @@ class LoRAManager:
         """Slot -> adapter for the batch's active adapters (base rows and inactive skipped)."""
         out = {}
         for r in batch:
-            if r.adapter is not None and r.adapter in self._active:
-                out[self._active[r.adapter]] = self._adapters[r.adapter]
+            slot = self.slots.slot_of(r.adapter) if r.adapter is not None else None
+            if slot is not None:
+                out[slot] = self.registry.get(r.adapter)
         return out
 
     # ---- routing --------------------------------------------------------------------
-    @staticmethod
-    def sort_lora_batch(batch: Sequence[Any]) -> list[Any]:
-        """Order a batch so same-adapter requests are adjacent (in order of first
-        appearance) and base requests last; stable within an adapter."""
-        first: dict[str | None, int] = {}
-        for i, r in enumerate(batch):
-            first.setdefault(r.adapter, i)
-        return sorted(batch, key=lambda r: (r.adapter is None, first[r.adapter]))
+    sort_lora_batch = staticmethod(sort_lora_batch)
+
+    def route(self, batch: Sequence[HasAdapter], row_offsets: Sequence[int]) -> Routing:
+        """The step's :class:`~lora_graph.routing.Routing` for a sorted batch whose adapters
+        are active, refilled in place in the persistent routing buffer.
+
+        Args:
+            batch: requests in step order (:meth:`sort_lora_batch`).
+            row_offsets: ``len(batch) + 1`` row offsets of the requests in the step.
+
+        Raises:
+            ValueError: as :func:`lora_graph.routing.group_batch`.
+        """
+        return self.routing.fill(*group_batch(batch, row_offsets, self.slots.slot_of, self.config.max_slots))
 
     def get_lora_graph_inputs(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
                               device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """The routing triple ``(lora_ids, grouped_offsets, end)`` of a sorted batch.
-
-        Args:
-            batch: requests in step order, sorted by :meth:`sort_lora_batch`; their adapters
-                active.
-            input_row_offsets: ``len(batch) + 1`` token offsets of the rows in the step.
-            device: must be the manager's device if given.
-
-        Returns:
-            the persistent device buffers ``lora_ids [max_slots]``,
-            ``grouped_offsets [max_slots + 1]`` and ``end [1]`` (int32), refilled in place;
-            unused groups are empty and point at slot 0.
+        """The routing triple ``(lora_ids, grouped_offsets, end)`` of :meth:`route`.
 
         Raises:
-            ValueError: if an adapter row follows a base row, or the batch has more groups
-                than slots (it was not sorted), or an adapter is not active.
+            ValueError: as :meth:`route`, or for a device other than the manager's.
         """
         if device is not None and torch.device(device) != self.device:
             raise ValueError(f"routing lives on {self.device}, not {device}")
-        if len(input_row_offsets) != len(batch) + 1:
-            raise ValueError(f"input_row_offsets needs {len(batch) + 1} entries, got {len(input_row_offsets)}")
-        max_groups = self.config.max_slots
-        ids: list[int] = []
-        offsets: list[int] = [int(input_row_offsets[0])]
-        end = offsets[0]
-        segments: list[int] = [0]  # the same groups, counted in requests
-        prev: str | None = None
-        seen_base = False
-        for i, r in enumerate(batch):
-            if r.adapter is None:
-                seen_base = True
-                continue
-            if seen_base:
-                raise ValueError("the batch is not sorted: an adapter row follows a base row (use sort_lora_batch)")
-            slot = self._active.get(r.adapter)
-            if slot is None:
-                raise ValueError(f"adapter {r.adapter!r} is not active (activate_batch first)")
-            if r.adapter != prev:
-                if len(ids) == max_groups:
-                    raise ValueError(f"the batch has more than {max_groups} adapter groups (use sort_lora_batch)")
-                ids.append(slot)
-                offsets.append(end)
-                segments.append(i)
-                prev = r.adapter
-            end = int(input_row_offsets[i + 1])
-            offsets[-1] = end
-            segments[-1] = i + 1
-        staging = self._staging
-        if self._staged is not None:
-            self._staged.synchronize()
-        # unused groups: slot 0, empty at the end (in tokens and in requests)
-        g = max_groups
-        seg_end = segments[-1]
-        parts = (ids + [0] * (g - len(ids)), offsets + [end] * (g + 1 - len(offsets)), [end],
-                 segments + [seg_end] * (g + 1 - len(segments)), [seg_end])
-        values = [0] * staging.numel()
-        for sl, part in zip(self._routing_slices, parts, strict=True):
-            values[sl] = part
-        staging.copy_(torch.tensor(values, dtype=torch.int32))
-        self._routing.copy_(staging, non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
-        return self._lora_ids, self._offsets, self._end
-
-    def input_buffers(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
-                      device: torch.device | None = None) -> tuple[Tensor, ...]:
-        """The per-call LoRA inputs in :meth:`symbolic_inputs` order: the routing triple, the
-        segment pair (the groups' offsets and end counted in requests rather than tokens,
-        for a per-segment target such as the LM head; request ``i`` is ``batch[i]``), then
-        one stacked adapter per slot. Every tensor is a persistent buffer; only the routing
-        is refilled."""
-        routing = self.get_lora_graph_inputs(batch, input_row_offsets, device)
-        return (*routing, self._segment_offsets, self._segment_end, *self._slot_views)
-
-    def symbolic_inputs(self) -> list[InputSpec]:
-        """The LoRA compile inputs: the routing triple, the segment pair, then one
-        ``[numel]`` stack per slot."""
-        g = self.config.max_slots
-        specs = [InputSpec("lora_ids", (g,), torch.int32), InputSpec("grouped_offsets", (g + 1,), torch.int32),
-                 InputSpec("end", (1,), torch.int32), InputSpec("segment_offsets", (g + 1,), torch.int32),
-                 InputSpec("segment_end", (1,), torch.int32)]
-        specs += [InputSpec(f"slot_{s}", (self.layout.numel,), self.dtype) for s in range(self.config.num_slots)]
-        return specs
-
-    def bind_inputs(self, model: nn.Module, lora_inputs: Sequence[Tensor]) -> None:
-        """Fan the LoRA inputs into every LoRA layer of ``model`` (a module :meth:`wrap`
-        returned): the routing triple to every layer, and each slot's stack to the layers as
-        views of their blocks (re-derived only when other slot tensors are given than
-        last time). An empty ``lora_inputs`` binds no routing: a base-only step.
-
-        Raises:
-            ValueError: if the count is neither 0 nor the routing triple plus one per slot.
-        """
-        expected = _ROUTING_INPUTS + self.config.num_slots
-        if len(lora_inputs) == 0:
-            self._bound.clear()
-            return
-        if len(lora_inputs) != expected:
-            raise ValueError(f"expected {expected} LoRA inputs (routing triple + segment pair + {self.config.num_slots} slots), "
-                             f"got {len(lora_inputs)}")
-        slots = tuple(lora_inputs[_ROUTING_INPUTS:])
-        if len(slots) != len(self._bound_slots) or any(a is not b for a, b in zip(slots, self._bound_slots, strict=True)):
-            for layer in self._layer_at.values():
-                layer.bind_slots(slots)
-            self._bound_slots = slots
-        self._bound.routing = (lora_inputs[0], lora_inputs[1], lora_inputs[2])
-        self._bound.segments = (lora_inputs[0], lora_inputs[3], lora_inputs[4])
+        return self.route(batch, input_row_offsets).tokens
 
     # ---- model ----------------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> LoRAWrapper:
-        """Replace each target linear of ``model`` with a :class:`LoRALinear`, in place, and
-        return a wrapper that takes the LoRA inputs and holds ``model`` at ``.model``."""
-        for target_name, target in self.targets.items():
-            for layer in target.layer_ids(self.num_layers):
-                path = self._module_path(target_name, layer)
-                parent_path, _, attr = path.rpartition(".")
-                parent = model.get_submodule(parent_path) if parent_path else model
-                base = getattr(parent, attr)
-                lora: LoRALinear | LoRAEmbedding
-                if target.kind == "embedding":
-                    if not isinstance(base, nn.Embedding):
-                        raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Embedding")
-                    lora = LoRAEmbedding(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
-                                         bound=self._bound, expand=self.kernels.expand)
-                else:
-                    if not isinstance(base, nn.Linear):
-                        raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
-                    lora = LoRALinear(base, target_name=target_name, target=target, layer=layer, layout=self.layout,
-                                      bound=self._bound, kernels=self.kernels)
-                lora.bind_slots(self._slot_views)
-                setattr(parent, attr, lora)
-                self._layer_at[(target_name, layer)] = lora
-        self._bound_slots = self._slot_views
-        return LoRAWrapper(model, self)
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Replace each target module of ``model`` with its LoRA layer, in place, and return
+        ``model``. Its forward then takes the step's routing (:mod:`lora_graph.routing`)
+        and hands it to each LoRA layer; there is no wrapper module."""
+        self.layers = wrap_model(model, self.targets, num_layers=self.num_layers, module_path=self._module_path,
+                                 layout=self.layout, pool=self.slots.pool, kernels=self.kernels)
+        return model
 
-    def lora_weight_adapter(self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = "model") -> WeightsAdapter:
+    def lora_weight_adapter(self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = "") -> WeightsAdapter:
         """Wrap a checkpoint key adapter so its output loads into the wrapped model: the
-        base linear of each LoRA layer sits at ``<path>.base``, and everything under
-        ``wrapper_prefix``."""
-        wrapped = {self._module_path(target, layer) + "." for target, layer in self._layer_at}
-
-        def adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-            out = {}
-            for key, value in base_adapter(state_dict).items():
-                module, _, leaf = key.rpartition(".")
-                if module + "." in wrapped:
-                    key = f"{module}.base.{leaf}"
-                out[f"{wrapper_prefix}.{key}" if wrapper_prefix else key] = value
-            return out
-
-        return adapter
+        base module of each LoRA layer sits at ``<path>.base``."""
+        paths = {self._module_path(target, layer) for target, layer in self.layers}
+        return lora_weight_adapter(base_adapter, paths, wrapper_prefix=wrapper_prefix)
 
 
-class LoRAWrapper(nn.Module):
-    """The top-level module of a LoRA-ready model: binds the LoRA inputs, then runs the
-    inner model (at ``.model``), whose forward stays LoRA-oblivious."""
-
-    def __init__(self, model: nn.Module, manager: LoRAManager) -> None:
-        super().__init__()
-        self.model = model
-        self.manager = manager
-
-    def forward(self, *args: Any, lora_inputs: tuple[Tensor, ...] = ()) -> Any:
-        self.manager.bind_inputs(self, lora_inputs)
-        out = self.model(*args)
-        self.manager.bind_inputs(self, ())
-        return out
-
-
-__all__ = ["AdapterError", "AdapterRef", "InputSpec", "LoRAManager", "LoRAStatus", "LoRAWrapper", "LoadedAdapter", "NoFreeSlotError"]
+__all__ = ["AdapterError", "AdapterRef", "LoRAManager", "LoRAStatus", "LoadedAdapter", "NoFreeSlotError"]

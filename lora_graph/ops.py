@@ -1,213 +1,170 @@
-"""The segmented LoRA shrink and expand as ``torch.library`` custom ops.
+"""The LoRA ops as ``torch.library`` custom ops: one op per meaning, one implementation per
+device (the Triton kernels on CUDA when Triton is installed, the pure-torch reference
+elsewhere), so ``torch.compile`` sees each as one opaque node and a CUDA graph captures
+whatever kernel it launches.
 
-``torch.compile`` sees each as one opaque node; a CUDA graph captures whatever kernel the
-op launches. Both read the routing triple and the slot stacks as inputs, so a replay sees
-new routing and new slot contents without recompiling.
+Every op takes the routing triple ``(lora_ids, grouped_offsets, end)``
+(:mod:`lora_graph.routing`) and a LoRA layer's slot stacks, ``a`` ``[num_slots, S * R, K]``
+and ``b`` ``[num_slots, out_features, R]`` (views of the slot pool; slot 0 is the zero
+adapter), as inputs: a replay sees new routing and new slot contents without recompiling.
 
-Routing triple (all on the activations' device):
-
-- ``lora_ids`` ``[G]`` int32: the slot of each group (padding groups: slot 0, empty).
-- ``grouped_offsets`` ``[G + 1]`` int32: token offsets of the groups, non-decreasing;
-  group ``g`` covers rows ``grouped_offsets[g]:grouped_offsets[g + 1]``.
-- ``end`` ``[1]`` int32: rows routed to LoRA; rows at or after it get no delta.
-
-Slot stacks: ``slots``, one flat tensor ``[numel]`` per slot, all views of one pool
-``[num_slots, numel]`` (what :class:`~lora_graph.manager.LoRAManager` hands out). A
-target's A block starts at ``a_offset`` in every slot, shaped
-``[num_slices, max_rank, in_features]``; its B block at ``b_offset``,
-``[out_features, max_rank]``.
+- ``lora_graph::lora_shrink(x [N, K], a, num_slices, *routing) -> h [S, N, R]`` float32:
+  ``h[s, t] = x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``, 0 after.
+- ``lora_graph::lora_expand_(y [N, out], h, b, out_slices, *routing)``, in place:
+  ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``; other rows are
+  left bit-for-bit unchanged.
+- ``lora_graph::lora_embedding_shrink(tokens [N], a [num_slots, vocab, R], *routing) -> h [1, N, R]``:
+  the shrink of an embedding (a gather; one implementation for every device).
+- ``lora_graph::lora_linear_delta(x, weight, bias, a, b, num_slices, out_slices, *routing) -> (y, buf)``:
+  the base linear and the float32 delta of shrink + expand (``buf[:N*out]``), on CUDA with
+  the delta on a side stream overlapping the base GEMM (decode).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-# Row counts up to which :class:`~lora_graph.layers.LoRALinear` computes its LoRA delta on
-# a side stream beside the base linear (decode), when the backend has the side-stream ops;
-# above it, shrink + expand run in place after the base linear.
+from lora_graph.kernels import reference
+
+# Row counts up to which a LoRA linear runs its delta on a side stream beside the base
+# linear (decode), when the kernels have ``linear_delta``; above it, shrink + expand run
+# in place after the base linear.
 DELTA_MAX_ROWS = 64
 
 
-def slot_pool_view(slots: list[Tensor], offset: int, shape: tuple[int, ...]) -> Tensor:
-    """A ``[len(slots), *shape]`` view of the block at ``offset`` in every slot.
+@functools.cache
+def _triton():  # the Triton implementations, imported on first CUDA call (None without Triton)
+    from lora_graph.kernels import triton_launch
 
-    Zero-copy: the slots are views of one pool with a constant stride between them.
-
-    Raises:
-        ValueError: if the slots are not evenly spaced views of one storage.
-    """
-    base = slots[0]
-    n = len(slots)
-    stride0 = slots[1].storage_offset() - base.storage_offset() if n > 1 else base.numel()
-    last = slots[-1]
-    if (
-        last.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
-        or last.storage_offset() != base.storage_offset() + (n - 1) * stride0
-        or stride0 < base.numel()
-    ):
-        raise ValueError("slot stacks must be evenly spaced views of one pool (LoRAManager.input_buffers)")
-    strides = []
-    acc = 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= dim
-    return base.as_strided((n, *shape), (stride0, *reversed(strides)), base.storage_offset() + offset)
+    return triton_launch if triton_launch.HAVE_TRITON else None
 
 
-def row_slots(n_rows: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
-    """``[n_rows]`` int64: the slot of each row, ``-1`` for rows at or after ``end``."""
-    rows = torch.arange(n_rows, device=lora_ids.device, dtype=grouped_offsets.dtype)
-    group = torch.searchsorted(grouped_offsets[1:].contiguous(), rows, right=True).clamp_(max=lora_ids.numel() - 1)
-    return torch.where(rows < end, lora_ids.long()[group], -1)
+def have_triton() -> bool:
+    """Whether the Triton kernels can run (Triton is installed)."""
+    return _triton() is not None
 
 
 @torch.library.custom_op("lora_graph::lora_shrink", mutates_args=())
-def lora_shrink(
-    x: Tensor,
-    slots: list[Tensor],
-    a_offset: int,
-    num_slices: int,
-    max_rank: int,
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> Tensor:
-    """Semantics: ``h[s, t] = x[t] @ A[slot(t), s].T`` for rows ``t < end``; 0 after.
+def lora_shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+    """Shrink (module docstring). Args: ``x`` ``[N, K]`` float32/bfloat16/float16; ``a``
+    ``[num_slots, S * R, K]``; ``num_slices`` ``S``; the routing triple. Returns ``h``
+    ``[S, N, R]`` float32, exactly 0 on rows that get no delta."""
+    return reference.shrink(x, a, num_slices, lora_ids, grouped_offsets, end)
 
-    Args:
-        x: ``[N, in_features]`` activations (float32, bfloat16 or float16).
-        slots, a_offset: the slot stacks and the A block's offset (module docstring).
-        num_slices, max_rank: the A block's leading dims.
-        lora_ids, grouped_offsets, end: the routing triple.
 
-    Returns:
-        ``h`` ``[num_slices, N, max_rank]`` float32.
-    """
-    n, in_features = x.shape
-    a = slot_pool_view(slots, a_offset, (num_slices * max_rank, in_features))
-    slot_of = row_slots(n, lora_ids, grouped_offsets, end)
-    x32 = x.float()
-    h = x32.new_zeros(n, num_slices * max_rank)
-    for s in range(1, a.shape[0]):  # slot 0 is the zero adapter
-        h = torch.where((slot_of == s)[:, None], x32 @ a[s].float().T, h)
-    return h.view(n, num_slices, max_rank).transpose(0, 1).contiguous()
+@lora_shrink.register_kernel("cuda")
+def _(x, a, num_slices, lora_ids, grouped_offsets, end):
+    impl = _triton()
+    return (impl or reference).shrink(x, a, num_slices, lora_ids, grouped_offsets, end)
 
 
 @lora_shrink.register_fake
-def _(x, slots, a_offset, num_slices, max_rank, lora_ids, grouped_offsets, end):
-    return x.new_empty((num_slices, x.shape[0], max_rank), dtype=torch.float32)
-
-
-@torch.library.custom_op("lora_graph::lora_embedding_shrink", mutates_args=())
-def lora_embedding_shrink(
-    tokens: Tensor,
-    slots: list[Tensor],
-    a_offset: int,
-    vocab_size: int,
-    max_rank: int,
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> Tensor:
-    """The shrink of an embedding target: ``h[0, t] = A[slot(t)][:, tokens[t]]`` for rows
-    ``t < end``, 0 after: ``x @ A.T`` of the token's one-hot, as PEFT's
-    ``lora_embedding_A`` defines it. A gather, so one implementation serves every backend.
-
-    Args:
-        tokens: ``[N]`` int64 token ids.
-        slots, a_offset: the slot stacks and the A block's offset. An embedding's A block
-            holds PEFT's ``lora_embedding_A`` transposed, ``[vocab_size, max_rank]``, so a
-            token's rank vector is one contiguous row.
-        vocab_size, max_rank: the A block's dims.
-        lora_ids, grouped_offsets, end: the routing triple.
-
-    Returns:
-        ``h`` ``[1, N, max_rank]`` float32, ready for :func:`lora_expand_`.
-    """
-    a = slot_pool_view(slots, a_offset, (vocab_size, max_rank))
-    slot_of = row_slots(tokens.shape[0], lora_ids, grouped_offsets, end)
-    h = a[slot_of.clamp(min=0), tokens].float()
-    return torch.where((slot_of >= 0)[:, None], h, 0.0)[None]
-
-
-@lora_embedding_shrink.register_fake
-def _(tokens, slots, a_offset, vocab_size, max_rank, lora_ids, grouped_offsets, end):
-    return tokens.new_empty((1, tokens.shape[0], max_rank), dtype=torch.float32)
+def _(x, a, num_slices, lora_ids, grouped_offsets, end):
+    return x.new_empty((num_slices, x.shape[0], a.shape[1] // num_slices), dtype=torch.float32)
 
 
 @torch.library.custom_op("lora_graph::lora_expand_", mutates_args=("y",))
-def lora_expand_(
-    y: Tensor,
-    h: Tensor,
-    slots: list[Tensor],
-    b_offset: int,
-    out_slices: list[int],
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> None:
-    """Semantics: ``y[t, slice_s] += h[s, t] @ B[slot(t), slice_s].T`` for rows ``t < end``.
+def lora_expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
+                 end: Tensor) -> None:
+    """Expand, in place (module docstring). Args: ``y`` ``[N, sum(out_slices)]``; ``h``
+    ``[S, N, R]`` float32 from :func:`lora_shrink`; ``b`` ``[num_slots, sum(out_slices), R]``;
+    ``out_slices`` the width of each slice; the routing triple."""
+    reference.expand_(y, h, b, out_slices, lora_ids, grouped_offsets, end)
 
-    Args:
-        y: ``[N, sum(out_slices)]`` base output, updated in place; rows at or after ``end``
-            are left bit-for-bit unchanged.
-        h: ``[num_slices, N, max_rank]`` float32, from :func:`lora_shrink`.
-        slots, b_offset: the slot stacks and the B block's offset (module docstring).
-        out_slices: the width of each slice.
-        lora_ids, grouped_offsets, end: the routing triple.
-    """
-    num_slices, n, max_rank = h.shape
-    b = slot_pool_view(slots, b_offset, (sum(out_slices), max_rank))
-    slot_of = row_slots(n, lora_ids, grouped_offsets, end)
-    for s in range(1, b.shape[0]):
-        start = 0
-        mask = (slot_of == s)[:, None]
-        for i, width in enumerate(out_slices):
-            delta = h[i] @ b[s, start : start + width].float().T
-            y[:, start : start + width] += torch.where(mask, delta, 0.0).to(y.dtype)
-            start += width
+
+@lora_expand_.register_kernel("cuda")
+def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
+    (_triton() or reference).expand_(y, h, b, out_slices, lora_ids, grouped_offsets, end)
 
 
 @lora_expand_.register_fake
-def _(y, h, slots, b_offset, out_slices, lora_ids, grouped_offsets, end):
+def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
     return None
 
 
-class Kernels(NamedTuple):
-    """The ops a backend serves LoRA with: ``shrink`` / ``expand`` (in place), and for the
-    Triton backend ``linear_delta`` (the base linear with the LoRA delta overlapping it on a
-    side stream) that decode-sized calls use (None for the torch reference)."""
+@torch.library.custom_op("lora_graph::lora_embedding_shrink", mutates_args=())
+def lora_embedding_shrink(tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+    """Embedding shrink (module docstring). Args: ``tokens`` ``[N]`` int64; ``a``
+    ``[num_slots, vocab, R]`` (PEFT's ``lora_embedding_A`` transposed, so a token's rank
+    vector is one contiguous row); the routing triple. Returns ``h`` ``[1, N, R]`` float32."""
+    return reference.embedding_shrink(tokens, a, lora_ids, grouped_offsets, end)
 
-    shrink: Any
-    expand: Any
-    linear_delta: Any = None
+
+@lora_embedding_shrink.register_fake
+def _(tokens, a, lora_ids, grouped_offsets, end):
+    return tokens.new_empty((1, tokens.shape[0], a.shape[2]), dtype=torch.float32)
+
+
+@torch.library.custom_op("lora_graph::lora_linear_delta", mutates_args=())
+def lora_linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+                      out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
+                      end: Tensor) -> tuple[Tensor, Tensor]:
+    """The base linear ``y = x @ weight.T + bias`` and the LoRA delta ``d`` that
+    :func:`lora_expand_` would add to it, in one op so a compiler cannot schedule the GEMM
+    before the side-stream work starts (module docstring). Returns ``(y, buf)``: ``y``
+    ``[N, sum(out_slices)]`` in ``x``'s dtype, and one float32 buffer holding ``d`` (its
+    first ``N * sum(out_slices)`` elements, row-major) then ``h``. The caller adds
+    ``y + d`` in float32, which a compiled graph fuses into the next pointwise op."""
+    return reference.linear_delta(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end)
+
+
+@lora_linear_delta.register_kernel("cuda")
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
+    impl = _triton() or reference
+    return impl.linear_delta(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end)
+
+
+@lora_linear_delta.register_fake
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
+    n, r = x.shape[0], a.shape[1] // num_slices
+    return (x.new_empty((n, weight.shape[0])),
+            x.new_empty((n * sum(out_slices) + num_slices * n * r,), dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What a LoRA layer calls, with the signatures of the ops above: the ops themselves
+    (per-device dispatch), or for a forced backend the implementations directly.
+    ``linear_delta`` is None where the side-stream delta is not used."""
+
+    shrink: Callable[..., Tensor]
+    embedding_shrink: Callable[..., Tensor]
+    expand: Callable[..., None]
+    linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 def kernels(backend: str, device: torch.device) -> Kernels:
-    """The :class:`Kernels` of a backend: ``"torch"`` (the reference above), ``"triton"``
-    (:mod:`lora_graph.triton_ops`), or ``"auto"`` (Triton on CUDA when it is installed,
-    else the reference). The fused one-launch ``lora_apply_triton_`` is not used: it
-    measured slower than the pair on the H200 (bench/RESULTS.md).
+    """The :class:`Kernels` of a ``LoRAConfig.backend``:
+
+    - ``"auto"``: the ops (Triton on CUDA when installed, the reference elsewhere), and the
+      side-stream ``linear_delta`` at decode on CUDA with Triton.
+    - ``"torch"``: the pure-torch reference on any device (no side stream).
+    - ``"triton"``: the Triton kernels: the ops on CUDA; on the CPU under Triton's
+      interpreter (``TRITON_INTERPRET=1``), the Triton implementations called directly.
 
     Raises:
-        ValueError: for ``"triton"`` when Triton is not installed or the device is not CUDA
-            (the interpreter, ``TRITON_INTERPRET=1``, also runs it on the CPU).
+        ValueError: for ``"triton"`` without Triton, or off CUDA without the interpreter;
+            for an unknown backend.
     """
-    reference = Kernels(lora_shrink, lora_expand_)
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return reference
-    from lora_graph import triton_ops
-
-    triton_kernels = Kernels(triton_ops.lora_shrink_triton, triton_ops.lora_expand_triton_, triton_ops.lora_linear_delta)
+    ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
+    if backend == "torch":
+        return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
     if backend == "auto":
-        return triton_kernels if triton_ops.HAVE_TRITON else reference
+        if device.type == "cuda" and have_triton():
+            return Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta)
+        return ops
     if backend == "triton":
-        if not triton_ops.HAVE_TRITON:
+        impl = _triton()
+        if impl is None:
             raise ValueError("backend='triton' but Triton is not installed")
-        if device.type != "cuda" and not triton_ops.interpreted():
+        if device.type == "cuda":
+            return Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta)
+        if not impl.interpreted():
             raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
-        return triton_kernels
+        return Kernels(impl.shrink, reference.embedding_shrink, impl.expand_, impl.linear_delta)
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from lora_graph.config import LoRAConfig
 from lora_graph.layout import SlotLayout
-from lora_graph.manager import HasAdapter, LoRAManager, WeightsAdapter
+from lora_graph.manager import LoRAManager
+from lora_graph.routing import HasAdapter, Routing
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
 if TYPE_CHECKING:
@@ -125,7 +126,8 @@ class ModelInputs:
 
     ``tokens``/``positions`` ``[B, T]`` int64, ``cache_rows`` ``[B]`` int64,
     ``logits_index`` ``[B]`` int64 or None (all positions), ``prefill`` the phase, and
-    ``lora_inputs`` the routing triple plus slot stacks, or ``()`` for a base-only step.
+    ``routing`` the step's LoRA routing (:mod:`lora_graph.routing`), or None for a
+    base-only step.
     """
 
     tokens: Tensor
@@ -133,7 +135,7 @@ class ModelInputs:
     cache_rows: Tensor
     logits_index: Tensor | None
     prefill: bool
-    lora_inputs: tuple[Tensor, ...] = ()
+    routing: Routing | None = None
 
 
 class PipelineModelWithKVCache(abc.ABC):
@@ -187,8 +189,9 @@ class PipelineModelWithKVCache(abc.ABC):
         self._weights = weights
         self.model = self.load_model()
         self._weights = None
-        self.step: Callable[..., Tensor] = self.model
         self.graphs: GraphCache | None = None
+        if self.manager is not None:
+            self.manager.load_configured()
 
     def _check_memory(self, lora: LoRAConfig | None) -> None:
         """Refuse sizes whose KV cache and adapter slots cannot be allocated, before
@@ -266,7 +269,7 @@ class PipelineModelWithKVCache(abc.ABC):
                 module = self._instantiate_module(self.config)
         finally:
             torch.set_default_dtype(previous)
-        adapter: WeightsAdapter = self.weights_adapter
+        adapter: Callable[[dict[str, Tensor]], dict[str, Tensor]] = self.weights_adapter
         root: nn.Module = module
         if self.manager is not None:
             root = self.manager.wrap(module)
@@ -316,16 +319,15 @@ class PipelineModelWithKVCache(abc.ABC):
         ``rows`` are the batch rows in step order (sorted by adapter, base last), one per
         row of ``tokens``. A step where no row names an adapter gets no LoRA inputs.
         """
-        lora_inputs: tuple[Tensor, ...] = ()
+        routing = None
         if self.manager is not None:
             self.manager.activate_batch(rows)
         if any(r.adapter is not None for r in rows):
             if self.manager is None:
                 raise ValueError("a row names an adapter but LoRA is not enabled")
             seq = tokens.shape[1]
-            offsets = [i * seq for i in range(len(rows) + 1)]
-            lora_inputs = self.manager.input_buffers(rows, offsets)
-        return ModelInputs(tokens, positions, cache_rows, logits_index, prefill, lora_inputs)
+            routing = self.manager.route(rows, [i * seq for i in range(len(rows) + 1)])
+        return ModelInputs(tokens, positions, cache_rows, logits_index, prefill, routing)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> Tensor:
@@ -341,7 +343,5 @@ class PipelineModelWithKVCache(abc.ABC):
         return self._execute_eager(inputs)
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:
-        args = (inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill)
-        if self.manager is None:
-            return self.step(*args)
-        return self.step(*args, lora_inputs=inputs.lora_inputs)
+        return self.model(inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill,
+                          inputs.routing)

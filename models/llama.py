@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lora_graph.layers import Embedding, Linear
 from lora_graph.pipeline import PipelineModelWithKVCache
+from lora_graph.routing import Routing
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
 
@@ -161,14 +163,15 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.kv_cache = kv_cache
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool,
+                routing: Routing | None) -> Tensor:
         c = self.config
         bsz, seqlen, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(bsz, seqlen, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = k.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
@@ -199,19 +202,19 @@ class Attention(nn.Module):
             )
             out = out[cache_rows]
         out = out.transpose(1, 2).reshape(bsz, seqlen, c.q_size)
-        return self.o_proj(out)
+        return self.o_proj(out, routing)
 
 
 class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, routing: Routing | None) -> Tensor:
+        gate, up = self.gate_up_proj(x, routing).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up, routing)
 
 
 class DecoderLayer(nn.Module):
@@ -222,9 +225,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_rows, prefill)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool,
+                routing: Routing | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_rows, prefill, routing)
+        return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
 class LlamaModel(nn.Module):
@@ -240,14 +244,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, *, max_batch: int, max_seq_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.max_seq_len = max_seq_len
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype))
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(config))
@@ -255,7 +258,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor | None, prefill: bool) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor | None, prefill: bool,
+                routing: Routing | None = None) -> Tensor:
         """One step.
 
         Args:
@@ -266,18 +270,20 @@ class LlamaModel(nn.Module):
                 row, or ``None`` for the logits of every token.
             prefill: True to attend within the step's own tokens (rows start at 0);
                 False for decode (``T == 1``) over the cache.
+            routing: the step's LoRA routing (:mod:`lora_graph.routing`), handed to every
+                LoRA layer; None for a base-only step.
 
         Returns:
             float32 logits ``[B, vocab]`` (or ``[B, T, vocab]`` when ``logits_index`` is None).
         """
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens, routing)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, cache_rows, prefill)
+            x = layer(x, cos, sin, positions, cache_rows, prefill, routing)
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(self.norm(x), routing).float()
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
@@ -378,5 +384,4 @@ class LlamaPipeline(PipelineModelWithKVCache):
         return 2 * c.num_hidden_layers * self.max_batch_size * c.num_key_value_heads * self.max_seq_len * c.head_dim * self.dtype.itemsize
 
     def compile_regions(self) -> list[nn.Module]:
-        inner = self.model.model if self.manager is not None else self.model
-        return list(inner.layers)
+        return list(self.model.layers)

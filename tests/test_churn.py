@@ -63,4 +63,4 @@ def test_churn_every_row_matches_peft(tiny, tmp_path):
             torch.testing.assert_close(got, reference[(token, row.adapter)], rtol=1e-4, atol=1e-4,
                                        msg=lambda m, s=step, r=row: f"step {s}, adapter {r.adapter}: {m}")
     assert pipe.manager.slot_loads > 500  # the slots really churned
-    assert sum(a.image is not None for a in map(pipe.manager.adapter, specs)) == 5  # host tier capacity held
+    assert sum(name in pipe.manager.host for name in specs) == 5  # host tier capacity held

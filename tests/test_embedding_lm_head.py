@@ -20,7 +20,7 @@ def _prefill_trace(pipe, ids, adapters):
     final-norm output, all-position logits)."""
     n = len(adapters)
     seen: dict[str, torch.Tensor] = {}
-    inner = pipe.model.model
+    inner = pipe.model
     hooks = [inner.embed_tokens.register_forward_hook(lambda m, i, o: seen.__setitem__("embed", o.clone())),
              inner.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm", o.clone()))]
     try:
@@ -51,7 +51,7 @@ def test_lm_head_delta_changes_logits_only_tied(tied_adapters):
     t, paths = tied_adapters
     pipe = make_pipeline(t, load=())
     pipe.manager.load_adapter(str(paths["head"]), name="head")
-    weight_before = pipe.model.model.embed_tokens.base.weight.clone()
+    weight_before = pipe.model.embed_tokens.base.weight.clone()
     ids = prompts(1, seed=73)[0]
     embed, norm, logits = _prefill_trace(pipe, ids, ["head", None])
     assert torch.equal(embed[0], embed[1])
@@ -61,8 +61,8 @@ def test_lm_head_delta_changes_logits_only_tied(tied_adapters):
     expected = logits[1] + norm[1] @ (2.0 * b @ a).T  # alpha 8 / r 4
     torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
     assert (logits[0] - logits[1]).abs().max() > 0.1
-    assert torch.equal(pipe.model.model.embed_tokens.base.weight, weight_before)
-    assert pipe.model.model.lm_head.base.weight is pipe.model.model.embed_tokens.base.weight  # still tied
+    assert torch.equal(pipe.model.embed_tokens.base.weight, weight_before)
+    assert pipe.model.lm_head.base.weight is pipe.model.embed_tokens.base.weight  # still tied
 
 
 def test_embedding_delta_is_the_gathered_column_tied(tied_adapters):
@@ -78,9 +78,9 @@ def test_embedding_delta_is_the_gathered_column_tied(tied_adapters):
     b = w["base_model.model.model.embed_tokens.lora_embedding_B"]
     scale = 8 / 8**0.5
     torch.testing.assert_close(embed[0], embed[1] + scale * a[:, ids].T @ b.T, rtol=1e-5, atol=1e-5)
-    head = pipe.model.model.lm_head
+    head = pipe.model.lm_head
     x = torch.randn(3, head.base.in_features)
-    torch.testing.assert_close(head(x), x @ pipe.model.model.embed_tokens.base.weight.T)
+    torch.testing.assert_close(head(x), x @ pipe.model.embed_tokens.base.weight.T)
 
 
 def test_generation_with_embedding_and_lm_head_matches_peft(tiny_factory, reference_factory):

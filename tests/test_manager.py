@@ -12,29 +12,31 @@ from conftest import ALL_LINEARS, Row, make_peft_adapter, make_pipeline, prompts
 from safetensors.torch import load_file, save_file
 from test_parity import run_prefill
 
-from lora_graph import AdapterError, LoraReqConfig, LoRAStatus, NoFreeSlotError
+from lora_graph import AdapterError, LoraReqConfig, LoRAStatus, NoFreeSlotError, Routing
 
 
-def test_inputs_order_and_count(tiny):
+def test_routing_of_a_sorted_batch(tiny):
+    """The five routing tensors of a batch (lora_graph.routing's statement of their meaning):
+    groups over rows and over requests, padded with empty slot-0 groups."""
     m = make_pipeline(tiny, max_slots=3).manager
-    specs = m.symbolic_inputs()
-    assert [s.name for s in specs] == ["lora_ids", "grouped_offsets", "end", "segment_offsets", "segment_end",
-                                       "slot_0", "slot_1", "slot_2", "slot_3"]
     m.activate_batch([Row("A"), Row("B")])
-    bufs = m.input_buffers([Row("A"), Row("A"), Row("B"), Row(None)], [0, 2, 5, 6, 7])
-    assert [tuple(b.shape) for b in bufs] == [s.shape for s in specs]
-    assert [b.dtype for b in bufs] == [s.dtype for s in specs]
-    lora_ids, offsets, end, segment_offsets, segment_end = bufs[:5]
+    routing = m.route([Row("A"), Row("A"), Row("B"), Row(None)], [0, 2, 5, 6, 7])
+    assert isinstance(routing, Routing)
+    assert [tuple(t.shape) for t in routing] == [(3,), (4,), (1,), (4,), (1,)]
+    assert all(t.dtype == torch.int32 for t in routing)
     slot_a, slot_b = m.activate_adapter("A"), m.activate_adapter("B")
-    assert lora_ids.tolist() == [slot_a, slot_b, 0]
-    assert offsets.tolist() == [0, 5, 6, 6]
-    assert end.tolist() == [6]
-    assert segment_offsets.tolist() == [0, 2, 3, 3]  # the same groups, counted in requests
-    assert segment_end.tolist() == [3]
-    with pytest.raises(ValueError, match="expected 9 LoRA inputs"):
-        m.bind_inputs(None, bufs[:-1])
+    assert routing.lora_ids.tolist() == [slot_a, slot_b, 0]
+    assert routing.grouped_offsets.tolist() == [0, 5, 6, 6]
+    assert routing.end.tolist() == [6]
+    assert routing.segment_offsets.tolist() == [0, 2, 3, 3]  # the same groups, counted in requests
+    assert routing.segment_end.tolist() == [3]
+    again = m.route([Row("B")], [0, 4])
+    assert all(a is b for a, b in zip(again, routing, strict=True))  # the same persistent buffers, refilled
+    assert again.lora_ids.tolist() == [slot_b, 0, 0] and again.grouped_offsets.tolist() == [0, 4, 4, 4]
     with pytest.raises(ValueError, match="not sorted"):
         m.get_lora_graph_inputs([Row("A"), Row(None), Row("B")], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="needs 3 entries|need 3 entries"):
+        m.route([Row("A"), Row("A")], [0, 1])
 
 
 def test_sort_lora_batch_groups_adapters_base_last():
@@ -303,7 +305,7 @@ def test_reload_in_flight_finishes_on_the_old_weights(tiny, reference_factory):
     assert engine.finished["old"].token_ids == ref.greedy(ids[0], "A", 8)
     assert engine.finished["new"].token_ids == ref.greedy(ids[1], "C", 4)
     assert engine.finished["old"].adapter == engine.finished["new"].adapter == "x"
-    assert list(m._adapters) == ["x"] and m._holds == {}  # the old version is gone
+    assert [e.name for e in m.registry.entries()] == ["x"] and not m.registry.held_keys()  # the old version is gone
     after = engine.generate([Request("after", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))])
     assert after[0].token_ids == ref.greedy(ids[2], "C", 3)
 
@@ -317,9 +319,9 @@ def test_abort_releases_the_adapter_hold(tiny):
     engine.add_request(Request("c", prompts(1, seed=28)[0], "C", SamplingParams(max_new_tokens=8)))
     engine.step()
     m.unload_adapter("C")
-    assert "C" in m._adapters  # held by the running request
+    assert "C" in m.registry  # held by the running request
     assert engine.abort_request("c")
-    assert "C" not in m._adapters and not m.is_active_lora("C") and m._holds == {}
+    assert "C" not in m.registry and not m.is_active_lora("C") and not m.registry.held_keys()
 
 
 def test_adapter_whose_file_vanished_fails_its_requests_only(tiny, tmp_path, reference_factory):
@@ -369,7 +371,7 @@ def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, refere
         shutil.copy(tiny.adapters["C"] / f, tmp_path / "x" / f)
     m.load_adapter(str(tmp_path / "x"), name="x")
     old_key = engine.running[0].adapter
-    assert old_key.startswith("x@") and m.adapter(old_key).image is not None
+    assert old_key.startswith("x@") and old_key in m.host
     engine.add_request(Request("b", ids[1], "B", SamplingParams(max_new_tokens=3, ignore_eos=True)))
     engine.add_request(Request("new", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True)))
     while engine.has_unfinished():
@@ -403,7 +405,7 @@ def test_reloading_back_and_forth_in_flight(tiny, reference_factory):
         engine.step()
     assert engine.finished["r0"].token_ids == ref.greedy(ids[0], "A", 12)
     assert engine.finished["r2"].token_ids == ref.greedy(ids[1], "A", 3)
-    assert list(m._adapters) == ["x"] and m._holds == {} and m.loras == ["x"]
+    assert [e.name for e in m.registry.entries()] == ["x"] and not m.registry.held_keys() and m.loras == ["x"]
     assert all(owner is None or owner == "x" for owner in m.slot_owners)
 
 
@@ -451,7 +453,7 @@ def test_replaced_version_is_copied_back_from_its_slot(tiny, tmp_path):
     slot = m.activate_adapter("x")
     original = m.pool[slot].clone()
     m.load_adapter(str(tiny.adapters["B"]), name="B")  # x's host image leaves (cpu_capacity 1)
-    assert m.adapter("x").image is None
+    assert "x" not in m.host
     hold = m.acquire("x")
     for f in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(tiny.adapters["C"] / f, tmp_path / "x" / f)
@@ -461,7 +463,7 @@ def test_replaced_version_is_copied_back_from_its_slot(tiny, tmp_path):
     assert not m.is_active_lora(hold.key)
     assert torch.equal(m.pool[m.activate_adapter(hold.key)], original)
     m.release(hold)
-    assert hold.key not in m._adapters
+    assert hold.key not in m.registry
 
 
 def test_adapter_path_containing_equals_sign(tiny, tmp_path):

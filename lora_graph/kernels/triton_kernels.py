@@ -1,0 +1,239 @@
+"""The Triton kernels of the segmented LoRA shrink and expand (``@triton.jit`` only; the
+launch configuration is in :mod:`lora_graph.kernels.triton_config`, the launchers in
+:mod:`lora_graph.kernels.triton_launch`).
+
+Semantics (the same as :mod:`lora_graph.kernels.reference`): ``h[s, t] = x[t] @ A[slot(t), s].T``
+and ``y[t, slice_s] += h[s, t] @ B[slot(t), slice_s].T`` for rows ``t < end``, ``slot(t)``
+the slot of ``t``'s group (:mod:`lora_graph.routing`). Rows at or after ``end``, and rows
+whose group names slot 0 (the zero adapter) or no valid slot, get no delta: their ``h`` is
+exactly 0 and their ``y`` is left bit-for-bit unchanged.
+
+Design (no host synchronisation; the grid depends only on shapes):
+
+- Work items. Each group's rows are cut into row tiles of ``BLOCK_M`` rows counted from
+  the group's own start. Every program reads the routing once (one vector load of ``G``
+  entries), drops groups that name slot 0 / an unknown slot / no rows, and takes a
+  ``cumsum`` of the groups' tile counts, so tile ``i`` maps to its group and rows in
+  registers. The number of tiles of any routing of ``N`` rows in ``G`` groups is at most
+  ``cdiv(N, BLOCK_M) + min(G, N)`` (one partial tile per non-empty group): the launch
+  covers that bound, so a replay with more groups than before still covers every row.
+  A 1-D grid of ``min(items, max_programs)`` programs walks the items grid-stride.
+- shrink: one launch for all slices. The A block of a fused target is one ``[S*R, K]``
+  matrix per slot, so shrink is a segmented GEMM ``[rows, K] @ [K, S*R]`` whose column
+  ``j`` lands in ``h[j // R, t, j % R]``. An item is ``(row tile, column block of
+  BLOCK_N, K split)``; with ``SPLIT_K > 1`` an item reduces ``K / SPLIT_K`` of the inner
+  dimension and ``tl.atomic_add`` adds its fp32 partial into a zeroed ``h``.
+- expand: one launch for all slices. An item is ``(row tile, column block)``; the column
+  blocks of every slice are laid end to end and an item finds its slice from constexpr
+  block starts. It adds the fp32 product ``h @ B.T`` to ``y`` (upcast) and stores it in
+  ``y``'s dtype; only rows that get a delta are written.
+- Both use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast multiply
+  + ``tl.sum`` for ``BLOCK_M < 16``. bf16/fp16 tiles go to the tensor cores as they are;
+  fp32 operands use ``input_precision="tf32x3"``.
+
+Group rule: row ``t < end`` belongs to group ``g(t) = min(#{k >= 1 : grouped_offsets[k] <= t}, G - 1)``
+(the reference's ``searchsorted``); for the routing :func:`lora_graph.routing.build_routing`
+builds (``grouped_offsets[0] == 0``, ``grouped_offsets[G] == end``) that is exactly
+"group ``g`` covers rows ``grouped_offsets[g]:grouped_offsets[g + 1]``".
+
+Importable without Triton (``HAVE_TRITON`` is then False and nothing is defined).
+"""
+
+from __future__ import annotations
+
+try:  # pragma: no cover - exercised by the environment, not by a test
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _group_table(lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots,
+                     G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per group (vectors of ``G_POW2``): slot, rows ``[lo, hi)`` (empty for slot 0, an
+        unknown slot, or padding), and its row tiles ``[first, last)`` in the tile sequence."""
+        gs = tl.arange(0, G_POW2)
+        in_g = gs < G
+        slot = tl.load(lora_ids_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        lo = tl.load(offsets_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        hi = tl.load(offsets_ptr + gs + 1, mask=in_g, other=0).to(tl.int32)
+        end = tl.load(end_ptr).to(tl.int32)
+        lo = tl.where(gs == 0, 0, lo)  # the reference's searchsorted puts rows before offsets[1] in group 0
+        hi = tl.where(gs == G - 1, end, tl.minimum(hi, end))  # ... and rows up to end in group G - 1
+        hi = tl.minimum(hi, N)
+        valid = in_g & (slot > 0) & (slot < num_slots) & (hi > lo)
+        hi = tl.where(valid, hi, lo)
+        ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        last = tl.cumsum(ntiles, 0)
+        return gs, slot, lo, hi, last - ntiles, last
+
+    @triton.jit
+    def _tile_rows(tile, gs, slot, lo, hi, first, last, BLOCK_M: tl.constexpr):
+        """Slot and rows ``[row0, hi)`` of row tile ``tile``; ``row0 >= hi`` when idle."""
+        g = tl.sum((last <= tile).to(tl.int32), axis=0)
+        sel = gs == g
+        slot_g = tl.sum(tl.where(sel, slot, 0), axis=0)
+        lo_g = tl.sum(tl.where(sel, lo, 0), axis=0)
+        hi_g = tl.sum(tl.where(sel, hi, 0), axis=0)
+        first_g = tl.sum(tl.where(sel, first, 0), axis=0)
+        return slot_g, lo_g + (tile - first_g) * BLOCK_M, hi_g
+
+    @triton.jit
+    def _shrink_tile(
+        x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        rows = offs_m.to(tl.int64)
+        offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_j = offs_j < SR
+        offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
+
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as
+                  + offs_j[None, :] * stride_aj + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_per_split, BLOCK_K):
+            mask_k = offs_k < K - kk
+            xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            if USE_DOT:
+                if CAST_F32:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+            else:
+                acc += tl.sum(xt.to(tl.float32)[:, :, None] * at.to(tl.float32)[None, :, :], axis=1)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_ak
+
+        s = offs_j // R
+        r = offs_j % R
+        h_ptrs = h_ptr + s[None, :] * stride_hs + rows[:, None] * stride_hm + r[None, :] * stride_hr
+        mask = mask_m[:, None] & mask_j[None, :]
+        if SPLIT_K == 1:
+            tl.store(h_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
+
+    # Row counts, group counts and item counts are not specialised on (one binary serves
+    # every batch bucket with the same tiles); K and the strides are (vectorised loads).
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    def _shrink_kernel(
+        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, K, G, num_slots, k_per_split, n_items,
+        stride_xm, stride_xk,
+        stride_as, stride_aj, stride_ak,
+        stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot(t), j, k]`` for every
+        work item ``(row tile, column block, K split)`` this program owns.
+
+        x ``[N, K]``; A ``[num_slots, S*R, K]`` (strided pool view); h ``[S, N, R]`` fp32.
+        Items are numbered ``tile * (n_col_blocks * SPLIT_K) + col_block * SPLIT_K + split``;
+        program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        per_tile: tl.constexpr = ((SR + BLOCK_N - 1) // BLOCK_N) * SPLIT_K
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // per_tile
+            pid_n = (item % per_tile) // SPLIT_K
+            pid_k = item % SPLIT_K
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                _shrink_tile(x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+                             stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
+                             R, SR, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32, DOT_PRECISION)
+
+    @triton.jit
+    def _expand_tile(
+        y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+        stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # which slice column block pid_n is in (constexpr block starts, no table in memory)
+        sl = pid_n * 0
+        blk0 = pid_n * 0 + SLICE_BLOCK0[0]
+        col0 = pid_n * 0 + SLICE_COL0[0]
+        width = pid_n * 0 + SLICE_WIDTH[0]
+        for i in tl.static_range(1, NUM_SLICES):
+            hit = pid_n >= SLICE_BLOCK0[i]
+            sl = tl.where(hit, i, sl)
+            blk0 = tl.where(hit, SLICE_BLOCK0[i], blk0)
+            col0 = tl.where(hit, SLICE_COL0[i], col0)
+            width = tl.where(hit, SLICE_WIDTH[i], width)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < hi
+        rows = offs_m.to(tl.int64)
+        offs_c = (pid_n - blk0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_c = offs_c < width
+        cols = col0 + offs_c
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+
+        h_ptrs = h_ptr + sl * stride_hs + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
+        ht = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
+                  + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)  # [BLOCK_N, BLOCK_R]
+        bt = tl.load(b_ptrs, mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+        if USE_DOT:
+            delta = tl.dot(ht, tl.trans(bt), input_precision=DOT_PRECISION)
+        else:
+            delta = tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
+
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+        mask = mask_m[:, None] & mask_c[None, :]
+        yt = tl.load(y_ptrs, mask=mask, other=0.0)
+        out = yt.to(tl.float32) + delta
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    def _expand_kernel(
+        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, G, num_slots, n_items,
+        stride_ym, stride_yn,
+        stride_hs, stride_hm, stride_hr,
+        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
+        for every work item ``(row tile, column block)`` this program owns.
+
+        y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
+        The slices' column blocks are laid end to end: slice ``i`` owns blocks from
+        ``SLICE_BLOCK0[i]`` and columns ``SLICE_COL0[i] + [0, SLICE_WIDTH[i])``. Items are
+        numbered ``tile * N_COL_BLOCKS + col_block``; program ``p`` takes ``p, p + num_programs, ...``.
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // N_COL_BLOCKS
+            pid_n = item % N_COL_BLOCKS
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+                             stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
+                             R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                             BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)

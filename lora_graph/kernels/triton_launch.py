@@ -1,0 +1,226 @@
+"""Launchers of the Triton LoRA kernels, and the Triton implementations of the ops in
+:mod:`lora_graph.ops` on the slot stacks (``a`` ``[num_slots, S * R, K]``, ``b``
+``[num_slots, out_features, R]``: each LoRA layer's views of the slot pool).
+
+Kernels decorated while ``TRITON_INTERPRET=1`` is set run under Triton's CPU interpreter
+(:func:`interpreted`); the launchers then set it around each launch too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import Tensor
+
+from lora_graph.kernels.triton_config import (
+    ExpandConfig,
+    ShrinkConfig,
+    cdiv,
+    device_sms,
+    expand_config,
+    next_pow2,
+    num_tiles,
+    shrink_config,
+    slice_meta,
+)
+from lora_graph.kernels.triton_kernels import HAVE_TRITON, triton
+
+if HAVE_TRITON:
+    from lora_graph.kernels.triton_kernels import _expand_kernel, _shrink_kernel
+
+_INTERPRETED = HAVE_TRITON and not isinstance(_shrink_kernel, triton.runtime.JITFunction)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1`` was
+    set when they were first imported)."""
+    return _INTERPRETED
+
+
+def _require_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton LoRA kernels need Triton (pip install triton); use the torch backend")
+
+
+def _check_devices(*tensors: Tensor) -> None:
+    device = tensors[0].device
+    if any(t.device != device for t in tensors[1:]):
+        devices = [str(t.device) for t in tensors]
+        raise ValueError(f"activations, slots, h and routing must share one device, got {devices}")
+
+
+def _device_guard(t: Tensor) -> contextlib.AbstractContextManager:
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    if _INTERPRETED and os.environ.get("TRITON_INTERPRET") != "1":
+        return _interpreter_env()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _interpreter_env():
+    """Interpreted kernels need ``TRITON_INTERPRET=1`` while they launch too (Triton reads it
+    lazily, e.g. when it first imports its gluon frontend); set it for the launch only."""
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
+def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor,
+                  max_rank: int, config: ShrinkConfig | None = None) -> None:
+    """Semantics: ``h[s, t] (+)= x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``.
+
+    Args:
+        x: ``[N, K]`` float32 / bfloat16 / float16 activations.
+        a: ``[num_slots, S * max_rank, K]`` strided pool view of the A blocks.
+        h: ``[S, N, max_rank]`` float32, zero where no delta applies; written (``SPLIT_K == 1``)
+            or accumulated into (``SPLIT_K > 1``): it must be zero on entry.
+        lora_ids, grouped_offsets, end: the routing triple (``[G]``, ``[G + 1]``, ``[1]`` int).
+        max_rank: ``R``.
+        config: tiles; :func:`shrink_config` when None.
+    """
+    _require_triton()
+    n, k = x.shape
+    num_slots, sr, k_a = a.shape
+    g = lora_ids.numel()
+    if n == 0 or g == 0:
+        return
+    assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
+    _check_devices(x, a, h, lora_ids, grouped_offsets, end)
+    cfg = config or shrink_config(n, k, sr, x.element_size(), device_sms(x.device))
+    # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
+    # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
+    # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
+    f32 = (x.dtype != a.dtype or x.dtype == torch.float32
+           or (x.dtype == torch.bfloat16 and interpreted()))
+    n_items = num_tiles(n, g, cfg.block_m) * cdiv(sr, cfg.block_n) * cfg.split_k
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
+    with _device_guard(x):
+        _shrink_kernel[grid](
+            x, a, h, lora_ids, grouped_offsets, end,
+            n, k, g, num_slots, cfg.k_per_split, n_items,
+            x.stride(0), x.stride(1),
+            a.stride(0), a.stride(1), a.stride(2),
+            h.stride(0), h.stride(1), h.stride(2),
+            R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot, CAST_F32=f32,
+            DOT_PRECISION="tf32x3" if f32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
+                  grouped_offsets: Tensor, end: Tensor, config: ExpandConfig | None = None) -> None:
+    """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``.
+
+    Args:
+        y: ``[N, sum(out_slices)]`` float32 / bfloat16 / float16, updated in place (only the
+            rows that get a delta are written).
+        h: ``[S, N, max_rank]`` float32.
+        b: ``[num_slots, sum(out_slices), max_rank]`` strided pool view of the B blocks.
+        out_slices: the width of each slice (``S`` entries).
+        lora_ids, grouped_offsets, end: the routing triple.
+        config: tiles; :func:`expand_config` when None.
+    """
+    _require_triton()
+    num_slices, n, max_rank = h.shape
+    num_slots, out_features, r_b = b.shape
+    g = lora_ids.numel()
+    if n == 0 or g == 0:
+        return
+    assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
+    _check_devices(y, h, b, lora_ids, grouped_offsets, end)
+    cfg = config or expand_config(n, max(out_slices), max_rank, y.element_size(), device_sms(y.device))
+    blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), cfg.block_n)
+    n_items = num_tiles(n, g, cfg.block_m) * n_blocks
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
+    with _device_guard(y):
+        _expand_kernel[grid](
+            y, h, b, lora_ids, grouped_offsets, end,
+            n, g, num_slots, n_items,
+            y.stride(0), y.stride(1),
+            h.stride(0), h.stride(1), h.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
+            R=max_rank, G_POW2=max(16, next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
+            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+            USE_DOT=cfg.use_dot, DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# the ops' Triton implementations (lora_graph.ops registers them for CUDA)
+# --------------------------------------------------------------------------------------
+
+
+def shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+    """:func:`lora_graph.ops.lora_shrink` in one launch for all slices (split-K with fp32
+    atomics at small ``N``, into a zeroed ``h``)."""
+    _require_triton()
+    max_rank = a.shape[1] // num_slices
+    h = torch.zeros((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
+    launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+    return h
+
+
+def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
+            end: Tensor) -> None:
+    """:func:`lora_graph.ops.lora_expand_` in one launch for all slices; the sum is formed in
+    fp32 and cast to ``y``'s dtype once."""
+    _require_triton()
+    launch_expand(y, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream of a CUDA device (one per device, made on first use); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+                 out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
+                 end: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`lora_graph.ops.lora_linear_delta`: the base linear on the caller's stream and,
+    overlapping it on the device's side stream, one memset + shrink + expand into the
+    float32 delta. Returns after the caller's stream waits for the side stream; ``x`` and
+    the buffer were allocated on the caller's stream, so they outlive the side work.
+    Without CUDA (the Triton interpreter) everything runs inline."""
+    _require_triton()
+    n = x.shape[0]
+    out_features = sum(out_slices)
+    max_rank = a.shape[1] // num_slices
+    buf = torch.empty(n * out_features + num_slices * n * max_rank, dtype=torch.float32, device=x.device)
+    d = buf[: n * out_features].view(n, out_features)
+    h = buf[n * out_features :].view(num_slices, n, max_rank)
+    side = _side_stream(x.device)
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        ctx = torch.cuda.stream(side)
+    with ctx:
+        buf.zero_()
+        launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+        launch_expand(d, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if side is not None:
+        main.wait_stream(side)
+    return y, buf

@@ -1,0 +1,32 @@
+"""Every benchmark runs: each ``bench/*.py`` with ``--smoke`` (tiny shapes on the CPU), so a
+renamed method breaks CI rather than the next GPU run. Speed is not checked here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py"}
+
+
+def test_every_benchmark_is_covered():
+    assert SCRIPTS == ["adapter_load.py", "decode.py", "kernels.py", "precision.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke(script, tmp_path):
+    argv = [sys.executable, str(BENCH / script), "--smoke"]
+    if script in WRITES_JSON:
+        argv += ["--json", str(tmp_path / "out.json")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "|---" in proc.stdout  # the results table
+    if script in WRITES_JSON:
+        assert (tmp_path / "out.json").stat().st_size > 0
