@@ -1,0 +1,131 @@
+"""Unit tests of the adapter pool's parts on their own: routing, registry, host tier and
+slot pool, wrapping; and the manager loading ``LoRAConfig.adapters`` at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Row, make_pipeline, prompts
+from test_parity import run_prefill
+from torch import nn
+
+from lora_graph import AdapterError, LoRAConfig
+from lora_graph.checkpoint import AdapterSource
+from lora_graph.registry import AdapterRegistry, LoadedAdapter
+from lora_graph.routing import RoutingBuffer, group_batch, row_slots, sort_lora_batch
+from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
+from lora_graph.wrapping import lora_weight_adapter
+
+
+# ---- routing ---------------------------------------------------------------------------
+def test_group_batch_and_buffer():
+    slots = {"A": 3, "B": 1}
+    batch = sort_lora_batch([Row("B"), Row(None), Row("A"), Row("B")])
+    assert [r.adapter for r in batch] == ["B", "B", "A", None]
+    groups = group_batch(batch, [0, 4, 5, 9, 10], slots.get, max_groups=3)
+    assert groups == ([1, 3], [0, 5, 9], [0, 2, 3])
+    buf = RoutingBuffer(3, torch.device("cpu"))
+    r = buf.fill(*groups)
+    assert r.lora_ids.tolist() == [1, 3, 0] and r.grouped_offsets.tolist() == [0, 5, 9, 9] and r.end.tolist() == [9]
+    assert r.segment_offsets.tolist() == [0, 2, 3, 3] and r.segment_end.tolist() == [3]
+    # the documented row rule: rows 0..4 slot 1, 5..8 slot 3, the base row after end
+    assert row_slots(10, *r.tokens).tolist() == [1] * 5 + [3] * 4 + [-1]
+    assert buf.fill([], [0], [0]).end.tolist() == [0]  # all base
+    with pytest.raises(ValueError, match="more than 1 adapter groups"):
+        group_batch([Row("A"), Row("B")], [0, 1, 2], slots.get, max_groups=1)
+    with pytest.raises(ValueError, match="'C' is not active"):
+        group_batch([Row("C")], [0, 1], slots.get, max_groups=2)
+
+
+# ---- registry --------------------------------------------------------------------------
+def _entry(name: str, digest: str) -> LoadedAdapter:
+    return LoadedAdapter(name, AdapterSource(name, {}, name), digest, 4, False)
+
+
+def test_registry_holds_retire_and_purge():
+    reg = AdapterRegistry()
+    reg.add(_entry("x", "aaaa" * 4))
+    ref = reg.acquire("x")
+    alias, merged = reg.retire("x")  # a reload while a request holds x
+    assert alias == "x@" + "aaaa" * 3 and not merged and ref.key == alias
+    reg.add(_entry("x", "bbbb" * 4))
+    assert reg.loras == ["x"] and alias in reg and reg.held(alias)
+    assert reg.purge(frozenset()) == []  # still held
+    reg.release(ref)
+    reg.release(ref)  # twice is harmless
+    assert reg.purge(frozenset()) == [alias] and alias not in reg
+    reg.begin_unload("x")
+    assert not reg.is_lora("x")
+    assert reg.purge(frozenset({"x"})) == []  # the running batch names it
+    assert reg.purge(frozenset()) == ["x"]
+    with pytest.raises(KeyError, match="'x' is not loaded"):
+        reg.acquire("x")
+
+
+# ---- host tier and slots -----------------------------------------------------------------
+def test_host_tier_spares_and_evicts_lru():
+    spared = {"b"}
+    tier = HostTier(2, pin=False, spare=spared.__contains__)
+    for key in "abc":
+        tier.put(key, torch.zeros(1))
+    assert "a" not in tier and "b" in tier and "c" in tier
+    tier.get("b")
+    tier.put("d", torch.zeros(1))  # over capacity: c is the oldest unspared
+    assert "c" not in tier and {"b", "d"} <= {k for k in "abcd" if k in tier}
+
+
+def test_slot_pool_lru_protection_and_rename():
+    pool = SlotPool(3, 4, dtype=torch.float32, device=torch.device("cpu"))
+    img = {k: torch.full((4,), float(i + 1)) for i, k in enumerate("abc")}
+    never = lambda k: False  # noqa: E731
+    sa = pool.activate("a", lambda: img["a"], protected=never, prefer=never)
+    sb = pool.activate("b", lambda: img["b"], protected=never, prefer=never)
+    assert {sa, sb} == {1, 2} and pool.loads == 2 and torch.equal(pool.pool[0], torch.zeros(4))
+    assert pool.activate("a", lambda: img["a"], protected=never, prefer=never) == sa and pool.loads == 2
+    # full: b is least recently used, but protected; a goes
+    sc = pool.activate("c", lambda: img["c"], protected=lambda k: k == "b", prefer=never)
+    assert sc == sa and pool.owners == [None, *(("c", "b") if sa == 1 else ("b", "c"))]
+    assert torch.equal(pool.pool[sc], img["c"])
+    with pytest.raises(NoFreeSlotError):
+        pool.activate("a", lambda: img["a"], protected=lambda k: True, prefer=never)
+    pool.rename("c", "c@1")
+    assert pool.slot_of("c@1") == sc and pool.slot_of("c") is None
+    assert torch.equal(pool.read("c@1"), img["c"])
+
+
+# ---- wrapping ----------------------------------------------------------------------------
+def test_weight_adapter_moves_wrapped_weights_under_base():
+    adapter = lora_weight_adapter(lambda sd: sd, {"layers.0.qkv_proj"})
+    out = adapter({"layers.0.qkv_proj.weight": torch.zeros(1), "norm.weight": torch.zeros(1)})
+    assert set(out) == {"layers.0.qkv_proj.base.weight", "norm.weight"}
+    prefixed = lora_weight_adapter(lambda sd: sd, set(), wrapper_prefix="model")({"norm.weight": torch.zeros(1)})
+    assert set(prefixed) == {"model.norm.weight"}
+
+
+def test_wrapped_model_holds_views_of_the_pool(tiny):
+    pipe = make_pipeline(tiny, load=("A",))
+    m = pipe.manager
+    layer = m.layers[("qkv_proj", 1)]
+    assert isinstance(pipe.model.layers[1].self_attn.qkv_proj, nn.Module) and pipe.model.layers[1].self_attn.qkv_proj is layer
+    assert layer.a.shape == (5, 3 * 16, 64) and layer.b.shape == (5, 64 + 32 + 32, 16)
+    assert layer.a.untyped_storage().data_ptr() == m.pool.untyped_storage().data_ptr()
+    slot = m.activate_adapter("A")
+    assert layer.a[slot].abs().sum() > 0 and layer.a[0].abs().sum() == 0  # slot 0: the zero adapter
+
+
+# ---- LoRAConfig.adapters -----------------------------------------------------------------
+def test_configured_adapters_load_at_start_up(tiny):
+    from lora_graph.models import LlamaPipeline
+
+    digest = make_pipeline(tiny, load=("A",)).manager.adapter("A").digest
+    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=64,
+                         lora=LoRAConfig(adapters={"A": str(tiny.adapters["A"]), "B": str(tiny.adapters["B"])},
+                                         adapter_digests={"A": digest}))
+    assert pipe.manager.loras == ["A", "B"]
+    want = run_prefill(make_pipeline(tiny), prompts(2, seed=71), ["A", "B"])
+    got = run_prefill(pipe, prompts(2, seed=71), ["A", "B"])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(AdapterError, match="'A': weights digest .* does not match the expected 000000"):
+        LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=64,
+                      lora=LoRAConfig(adapters={"A": str(tiny.adapters["A"])}, adapter_digests={"A": "0" * 64}))
