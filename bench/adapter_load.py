@@ -46,7 +46,9 @@ def timed(fn, device: torch.device, reps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default="bench/out/adapter_load.json")
@@ -64,15 +66,25 @@ def main() -> None:
     config = Config.from_hf(LlamaConfig(**shapes))
     work = Path(tempfile.mkdtemp(prefix="lora_graph_load_"))
     names = [f"x{i}" for i in range(args.reps + 1)]
-    for i, name in enumerate(names):  # distinct files, so no run reads another's page cache... except its own writing
+    for i, name in enumerate(
+        names
+    ):  # distinct files, so no run reads another's page cache... except its own writing
         write_adapter(work / name, shapes, 16, seed=i)
-    manager = LoRAManager(LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=len(names) + 1), targets=lora_targets(config),
-                          module_map=lora_module_map, module_path=lora_module_path, num_layers=config.num_hidden_layers,
-                          dtype=torch.bfloat16, device=device)
+    manager = LoRAManager(
+        LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=len(names) + 1),
+        targets=lora_targets(config),
+        module_map=lora_module_map,
+        module_path=lora_module_path,
+        num_layers=config.num_hidden_layers,
+        dtype=torch.bfloat16,
+        device=device,
+    )
     file_bytes = (work / names[0] / "adapter_model.safetensors").stat().st_size
     image_bytes = manager.layout.numel * 2
 
-    read_s = timed(lambda: load_file(str(work / names[0] / "adapter_model.safetensors")), device, args.reps)
+    read_s = timed(
+        lambda: load_file(str(work / names[0] / "adapter_model.safetensors")), device, args.reps
+    )
     it = iter(names)
 
     def to_host() -> None:
@@ -87,21 +99,37 @@ def main() -> None:
         manager.activate_adapter(name)
 
     to_slot_s = timed(to_slot, device, args.reps - 1)
-    pinned = torch.empty(manager.layout.numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    pinned = torch.empty(
+        manager.layout.numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda"
+    )
     dst = torch.empty_like(pinned, device=device)
     h2d_s = timed(lambda: dst.copy_(pinned, non_blocking=True), device, args.reps)
     h2d_bw = image_bytes / h2d_s
 
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "file_MB": file_bytes / 1e6,
-              "slot_image_MB": image_bytes / 1e6, "disk_read_ms": read_s * 1e3, "disk_to_host_tier_ms": to_host_s * 1e3,
-              "host_tier_to_slot_ms": to_slot_s * 1e3, "pinned_h2d_GBps": h2d_bw / 1e9,
-              "pinned_h2d_same_bytes_ms": h2d_s * 1e3, "slot_vs_h2d": to_slot_s / h2d_s}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "file_MB": file_bytes / 1e6,
+        "slot_image_MB": image_bytes / 1e6,
+        "disk_read_ms": read_s * 1e3,
+        "disk_to_host_tier_ms": to_host_s * 1e3,
+        "host_tier_to_slot_ms": to_slot_s * 1e3,
+        "pinned_h2d_GBps": h2d_bw / 1e9,
+        "pinned_h2d_same_bytes_ms": h2d_s * 1e3,
+        "slot_vs_h2d": to_slot_s / h2d_s,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print("| file MB | slot image MB | disk read ms | disk → host tier ms | host tier → slot ms | pinned H2D GB/s | H2D same bytes ms | slot / H2D |")
+    print(
+        "| file MB | slot image MB | disk read ms | disk → host tier ms | host tier → slot ms | "
+        "pinned H2D GB/s | H2D same bytes ms | slot / H2D |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| {file_bytes / 1e6:.1f} | {image_bytes / 1e6:.1f} | {read_s * 1e3:.1f} | {to_host_s * 1e3:.1f} | "
-          f"{to_slot_s * 1e3:.2f} | {h2d_bw / 1e9:.1f} | {h2d_s * 1e3:.2f} | {to_slot_s / h2d_s:.2f} |")
+    print(
+        f"| {file_bytes / 1e6:.1f} | {image_bytes / 1e6:.1f} | {read_s * 1e3:.1f} | "
+        f"{to_host_s * 1e3:.1f} | "
+        f"{to_slot_s * 1e3:.2f} | {h2d_bw / 1e9:.1f} | {h2d_s * 1e3:.2f} | "
+        f"{to_slot_s / h2d_s:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,25 @@ import torch
 # the `kernels` package that transformers looks for
 sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
-SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+SMOKE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -64,20 +79,40 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
     h, ffn = config["hidden_size"], config["intermediate_size"]
     head_dim = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, ffn),
-              "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, ffn),
+        "up_proj": (h, ffn),
+        "down_proj": (ffn, h),
+    }
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for name, (fan_in, fan_out) in shapes.items():
             part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_A.weight"] = (
+                torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            ).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(fan_out, rank, generator=g) * 0.01
+            ).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                          "target_modules": list(LINEARS), "bias": "none",
-                                                          "task_type": "CAUSAL_LM"}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(LINEARS),
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
 
 
 class Row:
@@ -85,7 +120,9 @@ class Row:
         self.adapter = adapter
 
 
-def time_engine_step(pipe, batch: int, adapters: list[str | None], *, context: int, reps: int) -> float:
+def time_engine_step(
+    pipe, batch: int, adapters: list[str | None], *, context: int, reps: int
+) -> float:
     """Median ms of one decode step (input copy + graph replay) over ``reps`` replays."""
     dev = pipe.device
     width = pipe.decode_width(batch)
@@ -94,8 +131,14 @@ def time_engine_step(pipe, batch: int, adapters: list[str | None], *, context: i
         rows = pipe.manager.sort_lora_batch(rows)
     tokens = torch.randint(0, pipe.config.vocab_size, (width, 1), device=dev)
     positions = torch.full((width, 1), context, dtype=torch.long, device=dev)
-    inputs = pipe.prepare(rows, tokens=tokens, positions=positions, cache_rows=torch.arange(width, device=dev),
-                          logits_index=torch.zeros(width, dtype=torch.long, device=dev), prefill=False)
+    inputs = pipe.prepare(
+        rows,
+        tokens=tokens,
+        positions=positions,
+        cache_rows=torch.arange(width, device=dev),
+        logits_index=torch.zeros(width, dtype=torch.long, device=dev),
+        prefill=False,
+    )
     for _ in range(3):
         pipe.execute(inputs)
     if dev.type != "cuda":
@@ -117,7 +160,9 @@ def time_engine_step(pipe, batch: int, adapters: list[str | None], *, context: i
 
 
 @torch.inference_mode()
-def time_peft_step(model, batch: int, adapter_names: list[str] | None, *, context: int, reps: int) -> float:
+def time_peft_step(
+    model, batch: int, adapter_names: list[str] | None, *, context: int, reps: int
+) -> float:
     """Median ms of one ``transformers`` decode step with a DynamicCache of ``context``
     tokens (``adapter_names``: PEFT's mixed-batch routing, one name a row)."""
     from transformers import DynamicCache
@@ -126,7 +171,12 @@ def time_peft_step(model, batch: int, adapter_names: list[str] | None, *, contex
     vocab = model.config.vocab_size
     kwargs = {"adapter_names": adapter_names} if adapter_names is not None else {}
     cache = DynamicCache()
-    model(torch.randint(0, vocab, (batch, context), device=dev), past_key_values=cache, use_cache=True, **kwargs)
+    model(
+        torch.randint(0, vocab, (batch, context), device=dev),
+        past_key_values=cache,
+        use_cache=True,
+        **kwargs,
+    )
     step = torch.randint(0, vocab, (batch, 1), device=dev)
     times = []
     for i in range(reps + 2):
@@ -147,18 +197,31 @@ def mix(n_rows: int, names: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--mode", default="cudagraph", choices=["cudagraph", "inductor"])
-    parser.add_argument("--context", type=int, default=64, help="KV positions before the timed step (default 64)")
+    parser.add_argument(
+        "--context", type=int, default=64, help="KV positions before the timed step (default 64)"
+    )
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="LoRA kernels")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "torch", "triton"], help="LoRA kernels"
+    )
     parser.add_argument("--skip-peft", action="store_true")
-    parser.add_argument("--targets", default="all", choices=["all", "linears"],
-                        help="served targets: all the model's (the default config: with the embedding and LM head) "
-                             "or the four linear families only")
-    parser.add_argument("--no-side-stream", action="store_true",
-                        help="run decode LoRA in place after each base linear instead of on the side stream")
+    parser.add_argument(
+        "--targets",
+        default="all",
+        choices=["all", "linears"],
+        help="served targets: all the model's (the default config: with the embedding and LM head) "
+        "or the four linear families only",
+    )
+    parser.add_argument(
+        "--no-side-stream",
+        action="store_true",
+        help="run decode LoRA in place after each base linear instead of on the side stream",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -184,24 +247,49 @@ def main() -> None:
     print(f"random model built in {time.time() - t0:.1f} s", flush=True)
 
     bw = copy_bandwidth(device)
-    weight_bytes = sum(v.numel() * v.element_size() for k, v in weights.items() if not (hf_config.tie_word_embeddings and "lm_head" in k))
+    weight_bytes = sum(
+        v.numel() * v.element_size()
+        for k, v in weights.items()
+        if not (hf_config.tie_word_embeddings and "lm_head" in k)
+    )
     floor_ms = weight_bytes / bw * 1e3
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, floor {floor_ms:.3f} ms", flush=True)
+    print(
+        f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, floor "
+        f"{floor_ms:.3f} ms",
+        flush=True,
+    )
 
     names = [f"a{i}" for i in range(16)]
     for i, name in enumerate(names):
         write_adapter(work / name, shapes, 16, seed=i)
-    common = dict(dtype=torch.bfloat16, device=device, max_batch_size=max_batch, max_seq_len=args.context + 64, weights=weights)
-    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                     "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9, "floor_ms": floor_ms,
-                     "mode": args.mode, "backend": args.backend, "targets": args.targets,
-                     "side_stream": not args.no_side_stream, "rows": []}
+    common = dict(
+        dtype=torch.bfloat16,
+        device=device,
+        max_batch_size=max_batch,
+        max_seq_len=args.context + 64,
+        weights=weights,
+    )
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_TBps": bw / 1e12,
+        "weight_GB": weight_bytes / 1e9,
+        "floor_ms": floor_ms,
+        "mode": args.mode,
+        "backend": args.backend,
+        "targets": args.targets,
+        "side_stream": not args.no_side_stream,
+        "rows": [],
+    }
 
     t0 = time.time()
     plain = LlamaPipeline(str(work / "base"), **common)
     plain.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
     print(f"(a) captured in {time.time() - t0:.1f} s", flush=True)
-    a_ms = {b: time_engine_step(plain, b, [None] * b, context=args.context, reps=args.reps) for b in args.batch_sizes}
+    a_ms = {
+        b: time_engine_step(plain, b, [None] * b, context=args.context, reps=args.reps)
+        for b in args.batch_sizes
+    }
     del plain
     torch.cuda.empty_cache() if device.type == "cuda" else None
 
@@ -211,8 +299,11 @@ def main() -> None:
 
         lora_graph.ops.DELTA_MAX_ROWS = 0
     targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    lora = LlamaPipeline(str(work / "base"), **common,
-                         lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend, targets=targets))
+    lora = LlamaPipeline(
+        str(work / "base"),
+        **common,
+        lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend, targets=targets),
+    )
     lora.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
     print(f"(b-e) captured in {time.time() - t0:.1f} s", flush=True)
     t0 = time.time()
@@ -237,24 +328,68 @@ def main() -> None:
         from peft import PeftModel
 
         for b in args.batch_sizes:
-            rows[b]["peft_a"] = time_peft_step(hf, b, None, context=args.context, reps=min(args.reps, 10))
-        peft_model = PeftModel.from_pretrained(hf, str(work / names[0]), adapter_name=names[0]).eval()
+            rows[b]["peft_a"] = time_peft_step(
+                hf, b, None, context=args.context, reps=min(args.reps, 10)
+            )
+        peft_model = PeftModel.from_pretrained(
+            hf, str(work / names[0]), adapter_name=names[0]
+        ).eval()
         for name in names[1:4]:
             peft_model.load_adapter(str(work / name), adapter_name=name)
         for b in args.batch_sizes:
-            rows[b]["peft_d"] = time_peft_step(peft_model, b, mix(b, names[:4]), context=args.context, reps=min(args.reps, 10))
+            rows[b]["peft_d"] = time_peft_step(
+                peft_model, b, mix(b, names[:4]), context=args.context, reps=min(args.reps, 10)
+            )
             print(b, "peft", round(rows[b]["peft_a"], 2), round(rows[b]["peft_d"], 2), flush=True)
 
-    header = ["batch", "floor ms", "(a) ms", "(b) ms", "(c) ms", "(d) ms", "(e) ms", "(a) tok/s", "(d) tok/s", "(e) tok/s",
-              "(a)/floor", "(b)/(a)", "(c)/(a)", "(d)/(a)", "(e)/(a)", "peft (a) ms", "peft (d) ms", "peft (d) tok/s",
-              "(d) vs peft (d)"]
+    header = [
+        "batch",
+        "floor ms",
+        "(a) ms",
+        "(b) ms",
+        "(c) ms",
+        "(d) ms",
+        "(e) ms",
+        "(a) tok/s",
+        "(d) tok/s",
+        "(e) tok/s",
+        "(a)/floor",
+        "(b)/(a)",
+        "(c)/(a)",
+        "(d)/(a)",
+        "(e)/(a)",
+        "peft (a) ms",
+        "peft (d) ms",
+        "peft (d) tok/s",
+        "(d) vs peft (d)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for b, r in rows.items():
         peft_a, peft_d = r.get("peft_a", float("nan")), r.get("peft_d", float("nan"))
-        cells = [b, floor_ms, r["a"], r["b"], r["c"], r["d"], r["e"], b / r["a"] * 1e3, b / r["d"] * 1e3, b / r["e"] * 1e3,
-                 r["a"] / floor_ms, r["b"] / r["a"], r["c"] / r["a"], r["d"] / r["a"], r["e"] / r["a"], peft_a, peft_d,
-                 b / peft_d * 1e3, peft_d / r["d"]]
-        lines.append("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
+        cells = [
+            b,
+            floor_ms,
+            r["a"],
+            r["b"],
+            r["c"],
+            r["d"],
+            r["e"],
+            b / r["a"] * 1e3,
+            b / r["d"] * 1e3,
+            b / r["e"] * 1e3,
+            r["a"] / floor_ms,
+            r["b"] / r["a"],
+            r["c"] / r["a"],
+            r["d"] / r["a"],
+            r["e"] / r["a"],
+            peft_a,
+            peft_d,
+            b / peft_d * 1e3,
+            peft_d / r["d"],
+        ]
+        lines.append(
+            "| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |"
+        )
         results["rows"].append({"batch": b, **r})
     table = "\n".join(lines)
     results["table"] = table

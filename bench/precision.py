@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path[0:1] = [
+    str(Path(__file__).resolve().parents[1]),
+    str(Path(__file__).resolve().parents[1] / "tests"),
+]
 
 from conftest import (  # noqa: E402
     ADAPTERS,
@@ -37,15 +40,21 @@ from lora_graph.models import LlamaPipeline  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--smoke", action="store_true", help="the CPU only (the model is tiny either way)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="the CPU only (the model is tiny either way)"
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     root = Path(tempfile.mkdtemp())
     make_hf_model("gqa").save_pretrained(root / "base")
-    adapters = {n: make_peft_adapter(root / "base", root / n, seed=i + 10, factor=f, **kw)
-                for i, (n, (kw, f)) in enumerate(ADAPTERS.items())}
+    adapters = {
+        n: make_peft_adapter(root / "base", root / n, seed=i + 10, factor=f, **kw)
+        for i, (n, (kw, f)) in enumerate(ADAPTERS.items())
+    }
     tiny = Tiny("gqa", root / "base", adapters, 128)
     ref = PeftReference(tiny)
     batch = prompts(len(MIX), seed=9)
@@ -53,19 +62,34 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
 
     def err(got: list[torch.Tensor]) -> list[float]:
-        return [float((g.float().cpu() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
+        return [
+            float((g.float().cpu() - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)
+        ]
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.smoke else [])
     for device in devices:
-        for label, slot_dtype, autocast in (("adapters " + args.dtype, None, False), ("adapters float32", torch.float32, True)):
+        for label, slot_dtype, autocast in (
+            ("adapters " + args.dtype, None, False),
+            ("adapters float32", torch.float32, True),
+        ):
             same = PeftReference(tiny, dtype=dtype, device=device, autocast_adapter_dtype=autocast)
-            rows[f"peft {device} {args.dtype}, {label}"] = err([same.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)])
+            rows[f"peft {device} {args.dtype}, {label}"] = err(
+                [same.logits(ids, a) for ids, a in zip(batch, MIX, strict=True)]
+            )
             for backend in ("torch", "triton") if device == "cuda" else ("torch",):
-                pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device=device, max_batch_size=8, max_seq_len=64,
-                                     lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend, dtype=slot_dtype))
+                pipe = LlamaPipeline(
+                    str(tiny.base),
+                    dtype=dtype,
+                    device=device,
+                    max_batch_size=8,
+                    max_seq_len=64,
+                    lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend, dtype=slot_dtype),
+                )
                 for name, path in adapters.items():
                     pipe.manager.load_adapter(str(path), name=name)
-                rows[f"engine {device} {args.dtype} {backend}, {label}"] = err(run_prefill(pipe, batch, MIX))
+                rows[f"engine {device} {args.dtype} {backend}, {label}"] = err(
+                    run_prefill(pipe, batch, MIX)
+                )
     print("| run | " + " | ".join(str(a) for a in MIX) + " |")
     print("|---|" + "---|" * len(MIX))
     for name, errs in rows.items():

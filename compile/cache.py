@@ -3,12 +3,12 @@
 The repeated decoder layer is compiled (``torch.compile``, ``fullgraph=True``; one graph
 per key serves every layer, so start-up compiles a layer, not the whole stack), and the
 step around it is captured per key. Each capture key gets its own step over persistent
-input buffers (tokens,
-positions, KV cache rows, logits index), allocated once at the largest bucket; the LoRA
-inputs are the manager's persistent routing buffer and the slot pool the LoRA layers view. A step is padded up
-to its bucket, copied into the buffers, and replayed: ``torch.compile`` (inductor) graphs
-everywhere, and on CUDA, optionally a ``torch.cuda.CUDAGraph`` captured by hand over the
-compiled step, so a replay is one graph launch.
+input buffers (tokens, positions, KV cache rows, logits index), allocated once at the
+largest bucket; the LoRA inputs are the manager's persistent routing buffer and the slot
+pool the LoRA layers view. A step is padded up to its bucket, copied into the buffers, and
+replayed: ``torch.compile`` (inductor) graphs everywhere, and on CUDA, optionally a
+``torch.cuda.CUDAGraph`` captured by hand over the compiled step, so a replay is one graph
+launch.
 
 Nothing recompiles after start-up: the backend records every graph it is given, and a
 graph compiled while serving is counted in :attr:`GraphCache.recompiles`.
@@ -73,8 +73,14 @@ class GraphCache:
         ValueError: for a bucket larger than the KV cache allows, or ``cudagraph`` off CUDA.
     """
 
-    def __init__(self, pipeline: Any, *, mode: Mode = "inductor", decode_buckets: Sequence[int] = (1, 2, 4, 8),
-                 prefill_lengths: Sequence[int] = (32,)) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        *,
+        mode: Mode = "inductor",
+        decode_buckets: Sequence[int] = (1, 2, 4, 8),
+        prefill_lengths: Sequence[int] = (32,),
+    ) -> None:
         if mode not in ("inductor", "cudagraph"):
             raise ValueError(f"mode must be inductor or cudagraph, got {mode!r}")
         if mode == "cudagraph" and pipeline.device.type != "cuda":
@@ -82,9 +88,14 @@ class GraphCache:
         decode_buckets = sorted(set(decode_buckets))
         prefill_lengths = sorted(set(prefill_lengths))
         if decode_buckets[-1] > pipeline.max_batch_size:
-            raise ValueError(f"decode bucket {decode_buckets[-1]} exceeds max_batch_size {pipeline.max_batch_size}")
+            raise ValueError(
+                f"decode bucket {decode_buckets[-1]} exceeds max_batch_size "
+                f"{pipeline.max_batch_size}"
+            )
         if prefill_lengths and prefill_lengths[-1] > pipeline.max_seq_len:
-            raise ValueError(f"prefill length {prefill_lengths[-1]} exceeds max_seq_len {pipeline.max_seq_len}")
+            raise ValueError(
+                f"prefill length {prefill_lengths[-1]} exceeds max_seq_len {pipeline.max_seq_len}"
+            )
         self.pipeline = pipeline
         self.mode = mode
         self.decode_buckets = decode_buckets
@@ -109,7 +120,9 @@ class GraphCache:
         keys: list[Any] = [CaptureKey("decode", b) for b in self.decode_buckets]
         keys += [CaptureKey("prefill", 1, t) for t in self.prefill_lengths]
         with_lora = self.pipeline.manager is not None
-        return [k2 for k in keys for k2 in ((k, LoraBaseOnly(k)) if with_lora else (LoraBaseOnly(k),))]
+        return [
+            k2 for k in keys for k2 in ((k, LoraBaseOnly(k)) if with_lora else (LoraBaseOnly(k),))
+        ]
 
     def decode_width(self, n: int) -> int:
         """The decode bucket a batch of ``n`` rows is padded to.
@@ -120,7 +133,9 @@ class GraphCache:
         for b in self.decode_buckets:
             if b >= n:
                 return b
-        raise ValueError(f"a decode batch of {n} rows exceeds the largest bucket {self.decode_buckets[-1]}")
+        raise ValueError(
+            f"a decode batch of {n} rows exceeds the largest bucket {self.decode_buckets[-1]}"
+        )
 
     def prefill_length(self, n: int) -> int | None:
         """The prefill length bucket a prompt of ``n`` tokens is padded to (None: too long
@@ -130,15 +145,29 @@ class GraphCache:
     def key_for(self, inputs: Any) -> Any:
         """The capture key of a step: its phase and bucket, base-only if no LoRA inputs."""
         b, t = inputs.tokens.shape
-        key = CaptureKey("prefill", b, self.prefill_length(t) or t) if inputs.prefill else CaptureKey("decode", self.decode_width(b))
+        key = (
+            CaptureKey("prefill", b, self.prefill_length(t) or t)
+            if inputs.prefill
+            else CaptureKey("decode", self.decode_width(b))
+        )
         return key if inputs.routing is not None else LoraBaseOnly(key)
 
     # ---- capture ------------------------------------------------------------------------
-    def _step(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor,
-              routing: Routing | None = None, *, prefill: bool) -> Tensor:
+    def _step(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_rows: Tensor,
+        logits_index: Tensor,
+        routing: Routing | None = None,
+        *,
+        prefill: bool,
+    ) -> Tensor:
         return self.pipeline.model(tokens, positions, cache_rows, logits_index, prefill, routing)
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+    def _backend(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]
+    ) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
         if self._capturing is None:
@@ -146,25 +175,37 @@ class GraphCache:
         else:
             graph = self.graphs[self._capturing]
             graph.ops = graph.ops | _op_names(gm)
-            graph.inputs = max(graph.inputs, sum(1 for node in gm.graph.nodes if node.op == "placeholder"))
+            graph.inputs = max(
+                graph.inputs, sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+            )
             graph.compiles += 1
         return compile_fx(gm, example_inputs)
 
     def _static_args(self, key: Any) -> tuple[Any, ...]:
         k = node_capture_key(key)
-        args = (self._tokens[: k.batch, : k.seq_len], self._positions[: k.batch, : k.seq_len],
-                self._cache_rows[: k.batch], self._logits_index[: k.batch])
+        args = (
+            self._tokens[: k.batch, : k.seq_len],
+            self._positions[: k.batch, : k.seq_len],
+            self._cache_rows[: k.batch],
+            self._logits_index[: k.batch],
+        )
         if is_base_only(key):
             return args
         return (*args, self.pipeline.manager.routing.routing)
 
     def capture(self, *, progress: bool = True) -> None:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(self.all_keys()))
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, 4 * len(self.all_keys())
+        )
         if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.all_keys()))
+            torch._dynamo.config.recompile_limit = max(
+                torch._dynamo.config.recompile_limit, 4 * len(self.all_keys())
+            )
         keys = self.all_keys()
-        for key in tqdm(keys, desc=f"capturing {len(keys)} graphs ({self.mode})", disable=not progress):
+        for key in tqdm(
+            keys, desc=f"capturing {len(keys)} graphs ({self.mode})", disable=not progress
+        ):
             self._capture_one(key)
 
     @torch.inference_mode()
@@ -224,13 +265,17 @@ class GraphCache:
             raise KeyError("no captured graph for this step")
         k = node_capture_key(graph.key)
         if inputs.tokens.shape[0] != k.batch:
-            raise ValueError(f"a {graph.key} step needs {k.batch} rows, got {inputs.tokens.shape[0]}")
+            raise ValueError(
+                f"a {graph.key} step needs {k.batch} rows, got {inputs.tokens.shape[0]}"
+            )
         t = inputs.tokens.shape[1]
         self._tokens[: k.batch, :t].copy_(inputs.tokens, non_blocking=True)
         self._positions[: k.batch, :t].copy_(inputs.positions, non_blocking=True)
         if t < k.seq_len:  # right padding of a prefill row: positions go on, tokens are 0
             self._tokens[: k.batch, t : k.seq_len].zero_()
-            self._positions[: k.batch, t : k.seq_len].copy_(torch.arange(t, k.seq_len, device=self._positions.device))
+            self._positions[: k.batch, t : k.seq_len].copy_(
+                torch.arange(t, k.seq_len, device=self._positions.device)
+            )
         self._cache_rows[: k.batch].copy_(inputs.cache_rows, non_blocking=True)
         self._logits_index[: k.batch].copy_(inputs.logits_index, non_blocking=True)
         graph.replays += 1

@@ -31,26 +31,52 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ASSETS / "base"), help="model directory (default: the demo model)")
-    parser.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
-                        help="adapters (default: every bundled demo adapter)")
-    parser.add_argument("--compile", default="cudagraph" if cuda else "inductor", choices=["inductor", "cudagraph"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=str(ASSETS / "base"), help="model directory (default: the demo model)"
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters (default: every bundled demo adapter)",
+    )
+    parser.add_argument(
+        "--compile", default="cudagraph" if cuda else "inductor", choices=["inductor", "cudagraph"]
+    )
     parser.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--prompt", default="Once upon a time")
-    parser.add_argument("--max-loras", type=int, default=None, help="device slots (default: one per adapter)")
+    parser.add_argument(
+        "--max-loras", type=int, default=None, help="device slots (default: one per adapter)"
+    )
     args = parser.parse_args()
-    loras = args.lora or [f"{p.name}={p}" for p in sorted((ASSETS / "adapters").iterdir()) if p.is_dir()]
+    loras = args.lora or [
+        f"{p.name}={p}" for p in sorted((ASSETS / "adapters").iterdir()) if p.is_dir()
+    ]
 
-    pipe = LlamaPipeline(args.model, device=args.device, max_batch_size=8, max_seq_len=128,
-                         lora=LoRAConfig(max_slots=args.max_loras or max(1, len(loras)), max_rank=64))
+    pipe = LlamaPipeline(
+        args.model,
+        device=args.device,
+        max_batch_size=8,
+        max_seq_len=128,
+        lora=LoRAConfig(max_slots=args.max_loras or max(1, len(loras)), max_rank=64),
+    )
     start = time.perf_counter()
     graphs = pipe.enable_compile(args.compile, decode_buckets=(4, 8), prefill_lengths=(16,))
-    print(f"captured {len(graphs.graphs)} graphs in {time.perf_counter() - start:.1f} s ({args.compile}, {args.device})")
+    print(
+        f"captured {len(graphs.graphs)} graphs in {time.perf_counter() - start:.1f} s "
+        f"({args.compile}, {args.device})"
+    )
     for key, graph in graphs.graphs.items():
         kind = "no LoRA op" if isinstance(key, LoraBaseOnly) else ", ".join(sorted(graph.lora_ops))
-        print(f"  {str(key):42s} layer graphs compiled: {graph.compiles}  layer graph inputs: {graph.inputs}  "
-              f"LoRA ops: {kind}")
+        print(
+            f"  {str(key):42s} layer graphs compiled: {graph.compiles}  layer graph inputs: "
+            f"{graph.inputs}  "
+            f"LoRA ops: {kind}"
+        )
 
     names = []
     for spec in loras:
@@ -60,10 +86,15 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = tokenizer(args.prompt)["input_ids"]
     adapters: list[str | None] = [None, *names, None, *names][:8]
-    requests = [Request(str(i), ids, a, SamplingParams(max_new_tokens=20)) for i, a in enumerate(adapters)]
+    requests = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=20)) for i, a in enumerate(adapters)
+    ]
     engine = LLMEngine(pipe, eos_token_ids=(tokenizer.eos_token_id,))
     for req, out in zip(requests, engine.generate(requests), strict=True):
-        print(f"[{req.adapter or 'base':>8}] {tokenizer.decode(out.token_ids, skip_special_tokens=True)!r}")
+        print(
+            f"[{req.adapter or 'base':>8}] "
+            f"{tokenizer.decode(out.token_ids, skip_special_tokens=True)!r}"
+        )
     replayed = {str(k): g.replays for k, g in graphs.graphs.items() if g.replays}
     print(f"replays by key: {replayed}; recompiles while serving: {graphs.recompiles}")
 

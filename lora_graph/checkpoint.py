@@ -33,7 +33,9 @@ ModuleMap = Callable[[str], LoraModuleRef | None]
 
 # lora_A / lora_B are Linear weights (``.weight``); lora_embedding_A / _B bare parameters;
 # either may carry PEFT's adapter-name infix (``lora_A.default.weight``)
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.[^.]+)?\.weight|(?P<emb>embedding_A|embedding_B)(?:\.[^.]+)?)$")
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.[^.]+)?\.weight|(?P<emb>embedding_A|embedding_B)(?:\.[^.]+)?)$"
+)
 _BASE_LAYER_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 _PREFIXES = ("base_model.model.",)
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -74,16 +76,24 @@ def resolve_adapter(path: str) -> AdapterSource:
     """
     if os.path.isfile(path):
         if os.path.basename(path) == "adapter_config.json" or path.endswith(".json"):
-            raise AdapterError(f"{path}: this is the adapter's config; give the adapter directory that holds it "
-                               "(or its adapter_model.safetensors)")
+            raise AdapterError(
+                f"{path}: this is the adapter's config; give the adapter directory that holds it "
+                "(or its adapter_model.safetensors)"
+            )
         if not path.endswith((".safetensors", ".bin")):
-            raise AdapterError(f"{path}: expected a PEFT adapter directory, a .safetensors file or a .bin file")
+            raise AdapterError(
+                f"{path}: expected a PEFT adapter directory, a .safetensors file or a .bin file"
+            )
         directory, weights, bare = os.path.dirname(path) or ".", path, True
     elif os.path.isdir(path):
         directory, bare = path, False
-        found = [os.path.join(path, f) for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
+        found = [
+            os.path.join(path, f) for f in _WEIGHT_FILES if os.path.isfile(os.path.join(path, f))
+        ]
         if not found:
-            raise AdapterError(f"{path}: no adapter_model.safetensors or adapter_model.bin in the directory")
+            raise AdapterError(
+                f"{path}: no adapter_model.safetensors or adapter_model.bin in the directory"
+            )
         weights = found[0]
     elif path.count("/") == 1 and not path.startswith((".", "/")):
         directory = _download(path)
@@ -95,8 +105,11 @@ def resolve_adapter(path: str) -> AdapterSource:
     if os.path.isfile(config_path):
         config = read_adapter_config(config_path)
     elif not bare:
-        raise AdapterError(f"{path}: no adapter_config.json in the adapter directory (PEFT saves it beside the weights; "
-                           "without it the scale lora_alpha / r is unknown)")
+        raise AdapterError(
+            f"{path}: no adapter_config.json in the adapter directory (PEFT saves it beside the "
+            "weights; "
+            "without it the scale lora_alpha / r is unknown)"
+        )
     return AdapterSource(path, config, weights)
 
 
@@ -115,20 +128,32 @@ def read_adapter_config(config_path: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise AdapterError(f"{config_path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from e
+        raise AdapterError(
+            f"{config_path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})"
+        ) from e
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise AdapterError(f"{config_path}: not valid JSON ({e})") from e
     if not isinstance(config, dict):
-        raise AdapterError(f"{config_path}: expected a JSON object of PEFT's LoraConfig fields, got a {_json_type(config)}")
+        raise AdapterError(
+            f"{config_path}: expected a JSON object of PEFT's LoraConfig fields, got a "
+            f"{_json_type(config)}"
+        )
     check_config_types(config, config_path)
     return config
 
 
 def _json_type(value: Any) -> str:
-    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "list",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _is_int(v: Any) -> bool:
@@ -156,15 +181,32 @@ _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lora_alpha": (_is_number, "a finite number"),
     "lora_dropout": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
-    "target_modules": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
-    "exclude_modules": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
-    "layers_to_transform": (lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
-                            "an integer, a list of integers or null"),
-    "layers_pattern": (lambda v: v is None or isinstance(v, str) or _is_str_list(v), "a string, a list of strings or null"),
-    "rank_pattern": (lambda v: v is None or (isinstance(v, dict) and all(_is_int(x) and x >= 1 for x in v.values())),
-                     "an object of positive integers"),
-    "alpha_pattern": (lambda v: v is None or (isinstance(v, dict) and all(map(_is_number, v.values()))),
-                      "an object of finite numbers"),
+    "target_modules": (
+        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
+        "a string, a list of strings or null",
+    ),
+    "exclude_modules": (
+        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
+        "a string, a list of strings or null",
+    ),
+    "layers_to_transform": (
+        lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+        "an integer, a list of integers or null",
+    ),
+    "layers_pattern": (
+        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
+        "a string, a list of strings or null",
+    ),
+    "rank_pattern": (
+        lambda v: (
+            v is None or (isinstance(v, dict) and all(_is_int(x) and x >= 1 for x in v.values()))
+        ),
+        "an object of positive integers",
+    ),
+    "alpha_pattern": (
+        lambda v: v is None or (isinstance(v, dict) and all(map(_is_number, v.values()))),
+        "an object of finite numbers",
+    ),
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
     "init_lora_weights": (lambda v: isinstance(v, (bool, str)), "true, false or a string"),
     "bias": (lambda v: isinstance(v, str), "a string"),
@@ -182,23 +224,39 @@ def check_config_types(config: dict[str, Any], where: str) -> None:
         AdapterError: ``"<where>: field 'r' must be a positive integer, got 'abc'"``.
     """
     if "peft_type" not in config:
-        raise AdapterError(f"{where}: field 'peft_type' is missing (a PEFT adapter_config.json names it, e.g. \"LORA\")")
+        raise AdapterError(
+            f"{where}: field 'peft_type' is missing (a PEFT adapter_config.json names it, e.g. "
+            '"LORA")'
+        )
     for key, (ok, what) in _CONFIG_TYPES.items():
         if key in config and not ok(config[key]):
             raise AdapterError(f"{where}: field {key!r} must be {what}, got {config[key]!r}")
-    for field in ("target_modules", "exclude_modules", "layers_pattern"):  # a string is a regex (PEFT: re.fullmatch)
+    for field in (
+        "target_modules",
+        "exclude_modules",
+        "layers_pattern",
+    ):  # a string is a regex (PEFT: re.fullmatch)
         patterns = config.get(field)
         for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
             try:
                 re.compile(pattern)
             except re.error as e:
-                raise AdapterError(f"{where}: field {field!r} holds {pattern!r}, not a valid regular expression ({e})") from e
-    for field in ("rank_pattern", "alpha_pattern"):  # keys are regexes matched as PEFT's get_pattern_key
+                raise AdapterError(
+                    f"{where}: field {field!r} holds {pattern!r}, not a valid regular expression "
+                    f"({e})"
+                ) from e
+    for field in (
+        "rank_pattern",
+        "alpha_pattern",
+    ):  # keys are regexes matched as PEFT's get_pattern_key
         for pattern in config.get(field) or {}:
             try:
                 re.compile(rf"(.*\.)?({pattern})$")
             except re.error as e:
-                raise AdapterError(f"{where}: field {field!r} has key {pattern!r}, not a valid regular expression ({e})") from e
+                raise AdapterError(
+                    f"{where}: field {field!r} has key {pattern!r}, not a valid regular "
+                    f"expression ({e})"
+                ) from e
 
 
 def _download(repo_id: str) -> str:
@@ -207,7 +265,9 @@ def _download(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=["adapter_config.json", *_WEIGHT_FILES])
     except Exception as e:  # the hub raises many kinds; the cause goes into the message
-        raise AdapterError(f"{repo_id}: not a local path, and fetching it from the Hugging Face hub failed ({e})") from e
+        raise AdapterError(
+            f"{repo_id}: not a local path, and fetching it from the Hugging Face hub failed ({e})"
+        ) from e
 
 
 def _read_shapes(weights_path: str) -> dict[str, tuple[int, ...]]:
@@ -305,7 +365,11 @@ def peft_targets_module(config: dict[str, Any], module: str) -> bool:
 
 
 def _span(layers: tuple[int, ...]) -> str:
-    return f"{layers[0]}..{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) else str(list(layers))
+    return (
+        f"{layers[0]}..{layers[-1]}"
+        if layers == tuple(range(layers[0], layers[-1] + 1))
+        else str(list(layers))
+    )
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -320,12 +384,36 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 # must hold its PEFT default (None, False, empty), or the adapter is refused: it names a
 # LoRA variant (aLoRA, trainable tokens, LoRA bias, layer replication, QALoRA, ...) that
 # would be served wrong as plain LoRA.
-_CONFIG_FIELDS = frozenset({
-    "peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
-    "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "exclude_modules", "layers_to_transform",
-    "layers_pattern", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "init_lora_weights", "bias", "use_dora",
-    "modules_to_save", "ensure_weight_tying", "megatron_core", "qalora_group_size", "eva_config",
-})
+_CONFIG_FIELDS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "auto_mapping",
+        "peft_version",
+        "r",
+        "lora_alpha",
+        "lora_dropout",
+        "use_rslora",
+        "target_modules",
+        "exclude_modules",
+        "layers_to_transform",
+        "layers_pattern",
+        "rank_pattern",
+        "alpha_pattern",
+        "fan_in_fan_out",
+        "init_lora_weights",
+        "bias",
+        "use_dora",
+        "modules_to_save",
+        "ensure_weight_tying",
+        "megatron_core",
+        "qalora_group_size",
+        "eva_config",
+    }
+)
 # initialisations that rewrite the base weights (the adapter then needs that modified base)
 _BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "lora_ga")
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig.lora_alpha's default
@@ -353,7 +441,9 @@ class AdapterReader:
         num_layers: layers of the model.
     """
 
-    def __init__(self, targets: dict[str, LoraTarget], module_map: ModuleMap, num_layers: int) -> None:
+    def __init__(
+        self, targets: dict[str, LoraTarget], module_map: ModuleMap, num_layers: int
+    ) -> None:
         self.targets = targets
         self.module_map = module_map
         self.num_layers = num_layers
@@ -373,19 +463,32 @@ class AdapterReader:
         if config.get("use_dora"):
             raise AdapterError(f"adapter {name!r}: use_dora (DoRA) is not supported")
         if config.get("bias", "none") != "none":
-            raise AdapterError(f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
+            raise AdapterError(
+                f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')"
+            )
         if config.get("modules_to_save"):
-            raise AdapterError(f"adapter {name!r}: modules_to_save {config['modules_to_save']} is not supported")
+            raise AdapterError(
+                f"adapter {name!r}: modules_to_save {config['modules_to_save']} is not supported"
+            )
         init = config.get("init_lora_weights", True)
         if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
-            raise AdapterError(f"adapter {name!r}: init_lora_weights={init!r} rewrites the base weights; convert it to "
-                               "plain LoRA first (PEFT: save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+            raise AdapterError(
+                f"adapter {name!r}: init_lora_weights={init!r} rewrites the base weights; convert "
+                "it to "
+                "plain LoRA first (PEFT: save_pretrained(..., "
+                "path_initial_model_for_weight_conversion=...))"
+            )
         for key, value in config.items():
             if key not in _CONFIG_FIELDS and value not in (None, False, 0, "", [], {}):
-                raise AdapterError(f"adapter {name!r}: adapter_config.json sets {key}={value!r}, a LoRA variant this "
-                                   "engine does not serve")
+                raise AdapterError(
+                    f"adapter {name!r}: adapter_config.json sets {key}={value!r}, a LoRA variant "
+                    "this "
+                    "engine does not serve"
+                )
 
-    def modules(self, name: str, src: AdapterSource, shapes: dict[str, tuple[int, ...]]) -> tuple[list[LoraModule], AdapterInfo]:
+    def modules(
+        self, name: str, src: AdapterSource, shapes: dict[str, tuple[int, ...]]
+    ) -> tuple[list[LoraModule], AdapterInfo]:
         """Pair the A and B of each module, place it, and compute its rank and scale.
 
         Returns:
@@ -407,8 +510,11 @@ class AdapterReader:
             else:
                 unknown.append(key)
         if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
-            raise AdapterError(f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, DoRA "
-                               "magnitude, trainable tokens or a saved full layer?); only plain LoRA can be served")
+            raise AdapterError(
+                f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
+                "DoRA "
+                "magnitude, trainable tokens or a saved full layer?); only plain LoRA can be served"
+            )
         # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
         # r is the tensors' rank and the scale is 1
         r_default = cfg.get("r", PEFT_DEFAULT_R) if cfg else None
@@ -424,7 +530,11 @@ class AdapterReader:
             a_name, b_name = ("embedding_A", "embedding_B") if embedding else ("A", "B")
             if a_name not in ab or b_name not in ab or len(ab) != 2:
                 missing = next((n for n in (a_name, b_name) if n not in ab), None)
-                what = f"has lora_{missing} missing" if missing else f"mixes {sorted('lora_' + k for k in ab)}"
+                what = (
+                    f"has lora_{missing} missing"
+                    if missing
+                    else f"mixes {sorted('lora_' + k for k in ab)}"
+                )
                 raise AdapterError(f"adapter {name!r}: module {module} {what}")
             a_shape, b_shape = shapes[ab[a_name]], shapes[ab[b_name]]
             rank = a_shape[0] if a_shape else 0
@@ -440,31 +550,58 @@ class AdapterReader:
                 unmapped.append(module)
                 continue
             if cfg and not peft_targets_module(cfg, module):
-                raise AdapterError(f"adapter {name!r}: module {module} has LoRA weights, but adapter_config.json's "
-                                   f"target_modules {cfg.get('target_modules')!r} does not select it (PEFT would "
-                                   "load the adapter without them)")
+                raise AdapterError(
+                    f"adapter {name!r}: module {module} has LoRA weights, but "
+                    "adapter_config.json's "
+                    f"target_modules {cfg.get('target_modules')!r} does not select it (PEFT would "
+                    "load the adapter without them)"
+                )
             if embedding != (target.kind == "embedding"):
-                misfits.append(f"{module} (lora_{a_name}/lora_{b_name} on a{'n' if target.kind == 'embedding' else ''} "
-                               f"{target.kind} target)")
+                misfits.append(
+                    f"{module} (lora_{a_name}/lora_{b_name} on "
+                    f"a{'n' if target.kind == 'embedding' else ''} "
+                    f"{target.kind} target)"
+                )
                 continue
             if ref.layer not in target.layer_ids(self.num_layers):
-                misfits.append(f"{module} (layer {ref.layer}: the model's {ref.target} has layers "
-                               f"{_span(target.layer_ids(self.num_layers))}; trained with layer_replication or on a deeper model?)")
+                misfits.append(
+                    f"{module} (layer {ref.layer}: the model's {ref.target} has layers "
+                    f"{_span(target.layer_ids(self.num_layers))}; trained with layer_replication "
+                    "or on a deeper model?)"
+                )
                 continue
             expected_a = (rank, target.in_features)
             expected_b = (target.out_slices[slice_idx], rank)
-            if len(a_shape) != 2 or len(b_shape) != 2 or tuple(a_shape) != expected_a or tuple(b_shape) != expected_b:
+            if (
+                len(a_shape) != 2
+                or len(b_shape) != 2
+                or tuple(a_shape) != expected_a
+                or tuple(b_shape) != expected_b
+            ):
                 vocab = target.kind == "embedding" or target.per_segment
-                misfits.append(f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A {list(expected_a)}, "
-                               f"B {list(expected_b)}: {'a resized vocabulary' if vocab else 'another model size'}?)")
+                misfits.append(
+                    f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A "
+                    f"{list(expected_a)}, "
+                    f"B {list(expected_b)}: "
+                    f"{'a resized vocabulary' if vocab else 'another model size'}?)"
+                )
                 continue
             r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))
             if r_cfg != rank:  # PEFT refuses this with a size mismatch
-                said = (f"rank_pattern gives {r_cfg}" if _pattern_value(rank_pattern, module, None) is not None
-                        else f"r is {r_cfg}")
-                raise AdapterError(f"adapter {name!r}: module {module} has rank-{rank} tensors (lora_{a_name} "
-                                   f"{list(a_shape)}) but adapter_config.json's {said}")
-            alpha = float(_pattern_value(alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg))
+                said = (
+                    f"rank_pattern gives {r_cfg}"
+                    if _pattern_value(rank_pattern, module, None) is not None
+                    else f"r is {r_cfg}"
+                )
+                raise AdapterError(
+                    f"adapter {name!r}: module {module} has rank-{rank} tensors (lora_{a_name} "
+                    f"{list(a_shape)}) but adapter_config.json's {said}"
+                )
+            alpha = float(
+                _pattern_value(
+                    alpha_pattern, module, alpha_default if alpha_default is not None else r_cfg
+                )
+            )
             scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
             modules.append(LoraModule(module, ref, ab[a_name], ab[b_name], rank, scale))
         for module, key in base_layers.items():  # base weights PEFT saved beside the adapter
@@ -472,9 +609,16 @@ class AdapterReader:
             if ref is None or ref.target not in self.targets:
                 continue
             target = self.targets[ref.target]
-            expected = (target.in_features, target.out_features) if target.kind == "embedding" else (target.out_features, target.in_features)
+            expected = (
+                (target.in_features, target.out_features)
+                if target.kind == "embedding"
+                else (target.out_features, target.in_features)
+            )
             if tuple(shapes[key]) != expected:
-                misfits.append(f"{module} (saved base weight {list(shapes[key])}; the model's is {list(expected)}: a resized vocabulary?)")
+                misfits.append(
+                    f"{module} (saved base weight {list(shapes[key])}; the model's is "
+                    f"{list(expected)}: a resized vocabulary?)"
+                )
         return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
 
     def info(self, name: str, src: AdapterSource) -> AdapterInfo:
@@ -489,17 +633,29 @@ class AdapterReader:
                 served targets, or a shape that does not fit its target.
         """
         if info.rank == 0 and not info.unmapped:
-            raise AdapterError(f"adapter {name!r}: no LoRA tensors (lora_A/lora_B) in the checkpoint")
+            raise AdapterError(
+                f"adapter {name!r}: no LoRA tensors (lora_A/lora_B) in the checkpoint"
+            )
         if info.rank > max_rank:
             raise AdapterError(f"adapter {name!r}: rank {info.rank} is above max_rank {max_rank}")
         if info.unmapped:
-            raise AdapterError(f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
-                               f"({', '.join(self.targets)})" + (f" and {len(info.unmapped) - 1} more" if len(info.unmapped) > 1 else ""))
+            raise AdapterError(
+                f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
+                f"({', '.join(self.targets)})"
+                + (f" and {len(info.unmapped) - 1} more" if len(info.unmapped) > 1 else "")
+            )
         if info.misfits:
             raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model")
 
-    def load(self, name: str, src: AdapterSource, layout: SlotLayout, *, max_rank: int,
-             dtype: torch.dtype) -> tuple[Tensor, int, dict[LoraModuleRef, Tensor]]:
+    def load(
+        self,
+        name: str,
+        src: AdapterSource,
+        layout: SlotLayout,
+        *,
+        max_rank: int,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, int, dict[LoraModuleRef, Tensor]]:
         """Validate and normalise an adapter into a flat slot image.
 
         The image ``[layout.numel]`` (``dtype``, CPU) holds every target's A and B, with
@@ -530,6 +686,10 @@ class AdapterReader:
             else:
                 a[s, : m.rank].copy_(tensors[m.a_key].float())
             b[start : start + size, : m.rank].copy_(tensors[m.b_key].float() * m.scale)
-        saved_base = {ref: tensors[key] for key in tensors
-                      if (module := parse_base_layer_key(key)) is not None and (ref := self.module_map(module)) is not None}
+        saved_base = {
+            ref: tensors[key]
+            for key in tensors
+            if (module := parse_base_layer_key(key)) is not None
+            and (ref := self.module_map(module)) is not None
+        }
         return image, info.rank, saved_base

@@ -33,14 +33,29 @@ def _version() -> str:
 
 
 def _assets_dir() -> Path:
-    for candidate in (Path.cwd() / "examples" / "assets", Path(__file__).resolve().parents[1] / "examples" / "assets"):
+    for candidate in (
+        Path.cwd() / "examples" / "assets",
+        Path(__file__).resolve().parents[1] / "examples" / "assets",
+    ):
         if (candidate / "base" / "config.json").is_file():
             return candidate
-    raise CliError("the bundled demo assets (examples/assets) were not found; run from the repository root")
+    raise CliError(
+        "the bundled demo assets (examples/assets) were not found; run from the repository root"
+    )
 
 
-def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank: int, dtype: str, device: str,
-                 max_batch_size: int, max_seq_len: int | None, compile_mode: str = "none") -> tuple[LLMEngine, Any]:
+def build_engine(
+    model: str,
+    loras: list[str],
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    dtype: str,
+    device: str,
+    max_batch_size: int,
+    max_seq_len: int | None,
+    compile_mode: str = "none",
+) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
 
     Raises:
@@ -51,8 +66,12 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
     from lora_graph.models import pipeline_class
     from lora_graph.pipeline import MemoryBudgetError, resolve_model_path
 
-    for flag, value, least in (("--max-loras", max_loras, 1), ("--max-lora-rank", max_lora_rank, 1),
-                               ("--max-batch-size", max_batch_size, 1), ("--max-seq-len", max_seq_len or 2, 2)):
+    for flag, value, least in (
+        ("--max-loras", max_loras, 1),
+        ("--max-lora-rank", max_lora_rank, 1),
+        ("--max-batch-size", max_batch_size, 1),
+        ("--max-seq-len", max_seq_len or 2, 2),
+    ):
         if value < least:
             raise CliError(f"{flag} must be at least {least}, got {value}")
     names = [spec.partition("=")[0] for spec in loras]
@@ -66,10 +85,27 @@ def build_engine(model: str, loras: list[str], *, max_loras: int, max_lora_rank:
         cls = pipeline_class(hf_config.model_type)
         if max_seq_len is None:
             max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
-        lora = LoRAConfig(max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))) if loras else None
-        pipeline = cls(model_dir, dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, lora=lora)
+        lora = (
+            LoRAConfig(
+                max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))
+            )
+            if loras
+            else None
+        )
+        pipeline = cls(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            lora=lora,
+        )
     except MemoryBudgetError as e:
-        raise CliError(str(e).replace("max_batch_size", "--max-batch-size").replace("max_seq_len", "--max-seq-len")) from e
+        raise CliError(
+            str(e)
+            .replace("max_batch_size", "--max-batch-size")
+            .replace("max_seq_len", "--max-seq-len")
+        ) from e
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {e}") from e
     if compile_mode != "none":
@@ -123,15 +159,23 @@ def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
         try:
             text = chunk.decode("utf-8")
         except UnicodeDecodeError as e:
-            lines.append((n, None, f"line {n}: not valid UTF-8 (byte {chunk[e.start]:#04x} at column {e.start + 1})"))
+            lines.append(
+                (
+                    n,
+                    None,
+                    f"line {n}: not valid UTF-8 (byte {chunk[e.start]:#04x} at column "
+                    f"{e.start + 1})",
+                )
+            )
             continue
         if text.strip():
             lines.append((n, text, None))
     return lines
 
 
-def _parse_requests(lines: list[tuple[int, str | None, str | None]], tokenizer: Any,
-                    defaults: SamplingParams) -> list[tuple[Request, int, str | None]]:
+def _parse_requests(
+    lines: list[tuple[int, str | None, str | None]], tokenizer: Any, defaults: SamplingParams
+) -> list[tuple[Request, int, str | None]]:
     """Parse requests-file lines into ``(request, line number, error)`` entries in file
     order; a line that is not a valid request, or repeats an earlier id, carries an error."""
     entries: list[tuple[Request, int, str | None]] = []
@@ -151,7 +195,10 @@ def _parse_requests(lines: list[tuple[int, str | None, str | None]], tokenizer: 
                 rid = str(obj["id"])
             unknown = sorted(set(obj) - _REQUEST_FIELDS)
             if unknown:
-                raise ValueError(f"unknown field {unknown[0]!r} (a request has: {', '.join(sorted(_REQUEST_FIELDS))})")
+                raise ValueError(
+                    f"unknown field {unknown[0]!r} (a request has: "
+                    f"{', '.join(sorted(_REQUEST_FIELDS))})"
+                )
             if rid in seen:
                 raise ValueError(f"id {rid!r} repeats an earlier request's id")
             request = _request_from_json(obj, rid, tokenizer, defaults)
@@ -164,16 +211,33 @@ def _parse_requests(lines: list[tuple[int, str | None, str | None]], tokenizer: 
 
 
 def _int_list(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
         raise ValueError(f"{field} must be a list of integers")
     return value
 
 
-_REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "adapter", "max_new_tokens", "temperature", "top_k", "top_p",
-                              "seed", "stop_token_ids", "ignore_eos"})
+_REQUEST_FIELDS = frozenset(
+    {
+        "id",
+        "prompt",
+        "prompt_token_ids",
+        "adapter",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop_token_ids",
+        "ignore_eos",
+    }
+)
 
 
-def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams) -> Request:
+def _request_from_json(
+    obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams
+) -> Request:
     if "prompt_token_ids" in obj and "prompt" in obj:
         raise ValueError("give either 'prompt' or 'prompt_token_ids', not both")
     if "prompt_token_ids" in obj:
@@ -195,7 +259,9 @@ def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: 
         top_k=obj.get("top_k", defaults.top_k),
         top_p=obj.get("top_p", defaults.top_p),
         seed=obj.get("seed", defaults.seed),
-        stop_token_ids=tuple(_int_list(obj.get("stop_token_ids", list(defaults.stop_token_ids)), "stop_token_ids")),
+        stop_token_ids=tuple(
+            _int_list(obj.get("stop_token_ids", list(defaults.stop_token_ids)), "stop_token_ids")
+        ),
         ignore_eos=obj.get("ignore_eos", defaults.ignore_eos),
     )
     return Request(rid, ids, adapter, sampling)
@@ -204,9 +270,16 @@ def _request_from_json(obj: dict[str, Any], rid: str, tokenizer: Any, defaults: 
 def _output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
     if out.error is not None:
         return {"id": out.id, "error": out.error}
-    text = tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-    return {"id": out.id, "adapter": out.adapter, "token_ids": out.token_ids, "text": text,
-            "finish_reason": out.finish_reason}
+    text = (
+        tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    )
+    return {
+        "id": out.id,
+        "adapter": out.adapter,
+        "token_ids": out.token_ids,
+        "text": text,
+        "finish_reason": out.finish_reason,
+    }
 
 
 def _check_output(path: str | None) -> None:
@@ -214,44 +287,81 @@ def _check_output(path: str | None) -> None:
         return
     out = Path(path)
     if out.is_dir() or not out.parent.is_dir():
-        raise CliError(f"--output {path}: {'is a directory' if out.is_dir() else 'its directory does not exist'}")
+        raise CliError(
+            f"--output {path}: "
+            f"{'is a directory' if out.is_dir() else 'its directory does not exist'}"
+        )
 
 
 def _check_sampling(defaults: SamplingParams) -> None:
     try:
         defaults.validate()
     except ValueError as e:
-        raise CliError(str(e).replace("max_new_tokens", "--max-new-tokens").replace("temperature", "--temperature")
-                       .replace("top_k", "--top-k").replace("top_p", "--top-p")) from e
+        raise CliError(
+            str(e)
+            .replace("max_new_tokens", "--max-new-tokens")
+            .replace("temperature", "--temperature")
+            .replace("top_k", "--top-k")
+            .replace("top_p", "--top-p")
+        ) from e
 
 
 def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     _check_output(args.output)
-    _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                   top_p=args.top_p, seed=args.seed))
-    if args.adapter is not None and args.adapter not in {spec.partition("=")[0] for spec in args.lora}:
+    _check_sampling(
+        SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    )
+    if args.adapter is not None and args.adapter not in {
+        spec.partition("=")[0] for spec in args.lora
+    }:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
-    engine, tokenizer = build_engine(args.model, args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                                     dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-                                     max_seq_len=args.max_seq_len, compile_mode=args.compile)
-    defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
+    engine, tokenizer = build_engine(
+        args.model,
+        args.lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        compile_mode=args.compile,
+    )
+    defaults = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     if args.requests:
         entries = _parse_requests(lines, tokenizer, defaults)
     else:
         if tokenizer is None:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
-        entries = [(Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), 0, None)]
-    outputs = engine.generate([r for r, _, error in entries if error is None], progress=args.progress)
+        entries = [
+            (Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), 0, None)
+        ]
+    outputs = engine.generate(
+        [r for r, _, error in entries if error is None], progress=args.progress
+    )
     by_id = {o.id: o for o in outputs}
     results = []
     for r, n, error in entries:
         out = RequestOutput(r.id, r.adapter, error=error) if error is not None else by_id[r.id]
         if out.error is not None and not out.error.startswith(f"line {n}:") and args.requests:
-            out.error = f"line {n}: {out.error}"  # refused by the engine: name the line as a parse error would
+            # refused by the engine: name the line as a parse error would
+            out.error = f"line {n}: {out.error}"
         results.append(_output_json(out, tokenizer))
-    if not args.requests and results[0].get("error") is not None:  # one prompt: its refusal is the command's
+    if (
+        not args.requests and results[0].get("error") is not None
+    ):  # one prompt: its refusal is the command's
         raise CliError(results[0]["error"])
     text = "".join(json.dumps(result) + "\n" for result in results)
     if args.output:
@@ -265,19 +375,42 @@ def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
     _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens))
     assets = Path(args.assets) if args.assets else _assets_dir()
     if not (assets / "base" / "config.json").is_file() or not (assets / "adapters").is_dir():
-        raise CliError(f"--assets {assets}: expected base/config.json and an adapters/ directory in it "
-                       "(examples/make_demo_assets.py builds them)")
-    adapters = sorted(p for p in (assets / "adapters").iterdir() if (p / "adapter_config.json").is_file())
-    engine, tokenizer = build_engine(str(assets / "base"), [f"{p.name}={p}" for p in adapters],
-                                     max_loras=max(1, len(adapters)), max_lora_rank=64, dtype=args.dtype, device=args.device,
-                                     max_batch_size=16, max_seq_len=256, compile_mode=args.compile)
+        raise CliError(
+            f"--assets {assets}: expected base/config.json and an adapters/ directory in it "
+            "(examples/make_demo_assets.py builds them)"
+        )
+    adapters = sorted(
+        p for p in (assets / "adapters").iterdir() if (p / "adapter_config.json").is_file()
+    )
+    engine, tokenizer = build_engine(
+        str(assets / "base"),
+        [f"{p.name}={p}" for p in adapters],
+        max_loras=max(1, len(adapters)),
+        max_lora_rank=64,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=16,
+        max_seq_len=256,
+        compile_mode=args.compile,
+    )
     names: list[str | None] = [None, *(p.name for p in adapters)]
     requests = []
     for i, prompt in enumerate(args.prompts):
         ids = tokenizer(prompt)["input_ids"]
         for name in names:
-            requests.append(Request(f"{i}:{name or 'base'}", ids, name, SamplingParams(max_new_tokens=args.max_new_tokens)))
-    print(f"serving {len(requests)} requests in one batch: base + adapters {', '.join(p.name for p in adapters)}", file=stdout)
+            requests.append(
+                Request(
+                    f"{i}:{name or 'base'}",
+                    ids,
+                    name,
+                    SamplingParams(max_new_tokens=args.max_new_tokens),
+                )
+            )
+    print(
+        f"serving {len(requests)} requests in one batch: base + adapters "
+        f"{', '.join(p.name for p in adapters)}",
+        file=stdout,
+    )
     start = time.perf_counter()
     outputs = engine.generate(requests)
     elapsed = time.perf_counter() - start
@@ -286,53 +419,131 @@ def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
         prompt = tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
         print(f"[{req.adapter or 'base':>8}] {prompt!r} -> {text!r}", file=stdout)
     generated = sum(len(o.token_ids) for o in outputs)
-    print(f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
-          f"({engine.steps['prefill']} prefill + {engine.steps['decode']} decode steps, {args.device})", file=stdout)
+    print(
+        f"{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s "
+        f"({engine.steps['prefill']} prefill + {engine.steps['decode']} decode steps, "
+        f"{args.device})",
+        file=stdout,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lora-graph", description="Serve one base model and many LoRA adapters in one batch.")
+    parser = argparse.ArgumentParser(
+        prog="lora-graph", description="Serve one base model and many LoRA adapters in one batch."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
-    common.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
-                        help="where to run (default: cuda if available, else cpu)")
-    common.add_argument("--compile", default="none", choices=["none", "inductor", "cudagraph"],
-                        help="step execution: eager, torch.compile (inductor), or CUDA graphs over it (default: none)")
+    common.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype (default: float32)",
+    )
+    common.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="where to run (default: cuda if available, else cpu)",
+    )
+    common.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "inductor", "cudagraph"],
+        help="step execution: eager, torch.compile (inductor), or CUDA graphs over it (default: "
+        "none)",
+    )
 
-    gen = sub.add_parser("generate", parents=[common], help="generate for one prompt or a JSON-lines requests file",
-                         description="Generate text for one prompt or for a requests file, each request under its adapter, batched together.")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2)")
-    gen.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                     help="serve an adapter under NAME: a PEFT directory, safetensors file or hub repo id (repeatable)")
-    gen.add_argument("--max-loras", type=int, default=4, help="device slots: adapters resident at once (default: 4)")
-    gen.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)")
-    gen.add_argument("--max-batch-size", type=int, default=16, help="requests in flight at once (default: 16)")
-    gen.add_argument("--max-seq-len", type=int, default=None,
-                     help="prompt + generated tokens per request (default: 512, or the model's max_position_embeddings if smaller)")
+    gen = sub.add_parser(
+        "generate",
+        parents=[common],
+        help="generate for one prompt or a JSON-lines requests file",
+        description="Generate text for one prompt or for a requests file, each request under its "
+        "adapter, batched together.",
+    )
+    gen.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2)",
+    )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve an adapter under NAME: a PEFT directory, safetensors file or hub repo id "
+        "(repeatable)",
+    )
+    gen.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="device slots: adapters resident at once (default: 4)",
+    )
+    gen.add_argument(
+        "--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)"
+    )
+    gen.add_argument(
+        "--max-batch-size", type=int, default=16, help="requests in flight at once (default: 16)"
+    )
+    gen.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="prompt + generated tokens per request (default: 512, or the model's "
+        "max_position_embeddings if smaller)",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (with --adapter to choose its adapter)")
-    src.add_argument("--requests", metavar="FILE.jsonl",
-                     help='one JSON object a line: {"id", "prompt" | "prompt_token_ids", "adapter", "max_new_tokens", '
-                          '"temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos"}; other fields are refused')
-    gen.add_argument("--adapter", default=None, help="adapter name for --prompt (default: the base model)")
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="default tokens to generate (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="default temperature; 0 is greedy (default: 0)")
+    src.add_argument(
+        "--requests",
+        metavar="FILE.jsonl",
+        help='one JSON object a line: {"id", "prompt" | "prompt_token_ids", "adapter", '
+        '"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", '
+        '"ignore_eos"}; other fields are refused',
+    )
+    gen.add_argument(
+        "--adapter", default=None, help="adapter name for --prompt (default: the base model)"
+    )
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=32, help="default tokens to generate (default: 32)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="default temperature; 0 is greedy (default: 0)",
+    )
     gen.add_argument("--top-k", type=int, default=0, help="default top-k; 0 keeps all (default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="default top-p (default: 1.0)")
     gen.add_argument("--seed", type=int, default=None, help="default sampling seed per request")
     gen.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
-    gen.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="no progress bar on stderr (default: shown while requests are served)")
+    gen.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar on stderr (default: shown while requests are served)",
+    )
     gen.set_defaults(func=cmd_generate)
 
-    demo = sub.add_parser("demo", parents=[common], help="one mixed batch on the bundled demo model and adapters",
-                          description="Run the base model and every bundled adapter, interleaved in one batch, and print the outputs.")
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="one mixed batch on the bundled demo model and adapters",
+        description="Run the base model and every bundled adapter, interleaved in one batch, and "
+        "print the outputs.",
+    )
     demo.add_argument("--assets", default=None, help="assets directory (default: examples/assets)")
-    demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens per request (default: 24)")
-    demo.add_argument("--prompts", nargs="+", default=["Once upon a time", "The little dog"], help="prompts to run")
+    demo.add_argument(
+        "--max-new-tokens", type=int, default=24, help="tokens per request (default: 24)"
+    )
+    demo.add_argument(
+        "--prompts",
+        nargs="+",
+        default=["Once upon a time", "The little dog"],
+        help="prompts to run",
+    )
     demo.set_defaults(func=cmd_demo)
     return parser
 

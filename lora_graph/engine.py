@@ -53,12 +53,17 @@ class SamplingParams:
             ValueError: naming the first bad field and its value.
         """
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+            raise ValueError(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+            )
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is numerically "
-                             "unstable; use 0 for greedy")
+            raise ValueError(
+                f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
+                "numerically "
+                "unstable; use 0 for greedy"
+            )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -67,11 +72,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_int, self.stop_token_ids)):
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+            map(_is_int, self.stop_token_ids)
+        ):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
 
 
-MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
+MIN_TEMPERATURE = (
+    1e-2  # below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
+)
 
 
 def _is_int(v: object) -> bool:
@@ -134,7 +143,9 @@ class LLMEngine:
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
     """
 
-    def __init__(self, pipeline: PipelineModelWithKVCache, *, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, pipeline: PipelineModelWithKVCache, *, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[_Sequence] = deque()
@@ -157,7 +168,9 @@ class LLMEngine:
         generator = None
         if s.temperature > 0:
             generator = torch.Generator()
-            generator.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            generator.manual_seed(
+                s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            )
         self.waiting.append(_Sequence(request, -1, generator, list(request.prompt_token_ids)))
 
     def abort_request(self, request_id: str) -> bool:
@@ -169,7 +182,9 @@ class LLMEngine:
                 if seq.request.id == request_id:
                     queue.remove(seq)
                     self._release(seq)
-                    self.finished[request_id] = RequestOutput(request_id, seq.request.adapter, seq.generated, None, "aborted")
+                    self.finished[request_id] = RequestOutput(
+                        request_id, seq.request.adapter, seq.generated, None, "aborted"
+                    )
                     return True
         return False
 
@@ -184,7 +199,10 @@ class LLMEngine:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(prompt) >= self.pipeline.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} fit (max_seq_len)")
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} "
+                "fit (max_seq_len)"
+            )
 
     def _admit(self) -> list[_Sequence]:
         admitted: list[_Sequence] = []
@@ -197,7 +215,9 @@ class LLMEngine:
                     hold = manager.admit(seq.adapter, names)
                 except KeyError as e:  # unloaded while it waited
                     self.waiting.popleft()
-                    self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.adapter, error=e.args[0])
+                    self.finished[seq.request.id] = RequestOutput(
+                        seq.request.id, seq.adapter, error=e.args[0]
+                    )
                     continue
                 if hold is None:  # its adapter cannot take a slot beside the running ones yet
                     break
@@ -239,7 +259,9 @@ class LLMEngine:
                 except AdapterError as e:
                     if e.adapter is None:
                         raise
-                    self._fail_adapter(e.adapter, str(e), unstarted=[s for g in groups[i:] for s in g])
+                    self._fail_adapter(
+                        e.adapter, str(e), unstarted=[s for g in groups[i:] for s in g]
+                    )
                     return
         elif self.running:
             try:
@@ -255,13 +277,17 @@ class LLMEngine:
         for seq in [s for s in self.running if s.adapter == key]:
             self.running.remove(seq)
             self._release(seq)
-            self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None, error)
+            self.finished[seq.request.id] = RequestOutput(
+                seq.request.id, seq.request.adapter, seq.generated, None, error
+            )
         requeue = []
         for seq in unstarted:
             failed = seq.adapter == key
             self._release(seq)
             if failed:
-                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, error=error)
+                self.finished[seq.request.id] = RequestOutput(
+                    seq.request.id, seq.request.adapter, error=error
+                )
             else:
                 requeue.append(seq)
         self.waiting.extendleft(reversed(requeue))
@@ -276,8 +302,14 @@ class LLMEngine:
         positions = torch.arange(length).expand(len(seqs), length)
         cache_rows = torch.tensor([s.cache_row for s in seqs])
         last = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        inputs = self.pipeline.prepare(seqs, tokens=tokens.to(dev), positions=positions.to(dev),
-                                       cache_rows=cache_rows.to(dev), logits_index=last.to(dev), prefill=True)
+        inputs = self.pipeline.prepare(
+            seqs,
+            tokens=tokens.to(dev),
+            positions=positions.to(dev),
+            cache_rows=cache_rows.to(dev),
+            logits_index=last.to(dev),
+            prefill=True,
+        )
         logits = self.pipeline.execute(inputs)
         self.steps["prefill"] += 1
         self.running.extend(seqs)
@@ -293,9 +325,14 @@ class LLMEngine:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs] + [[0]] * (width - len(seqs)))
         positions = torch.tensor([[len(s.tokens) - 1] for s in seqs] + [[0]] * (width - len(seqs)))
         cache_rows = torch.tensor([r.cache_row for r in rows])
-        inputs = self.pipeline.prepare(rows, tokens=tokens.to(dev), positions=positions.to(dev),
-                                       cache_rows=cache_rows.to(dev), logits_index=torch.zeros(width, dtype=torch.long, device=dev),
-                                       prefill=False)
+        inputs = self.pipeline.prepare(
+            rows,
+            tokens=tokens.to(dev),
+            positions=positions.to(dev),
+            cache_rows=cache_rows.to(dev),
+            logits_index=torch.zeros(width, dtype=torch.long, device=dev),
+            prefill=False,
+        )
         logits = self.pipeline.execute(inputs)
         self.steps["decode"] += 1
         self._sample_and_advance(seqs, logits[: len(seqs)])
@@ -304,11 +341,18 @@ class LLMEngine:
         logits = logits.float().cpu()
         bad_rows = torch.isnan(logits).any(dim=-1).tolist()
         for seq, row, bad in zip(seqs, logits, bad_rows, strict=True):
-            if bad:  # a fault of the model's numerics (a half-precision overflow), not of the request
+            if (
+                bad
+            ):  # a fault of the model's numerics (a half-precision overflow), not of the request
                 self.running.remove(seq)
                 self._release(seq)
-                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None,
-                                                              "the model produced NaN logits for this request")
+                self.finished[seq.request.id] = RequestOutput(
+                    seq.request.id,
+                    seq.request.adapter,
+                    seq.generated,
+                    None,
+                    "the model produced NaN logits for this request",
+                )
                 continue
             token = sample(row, seq.request.sampling, seq.generator)
             self.tokens_generated += 1
@@ -318,7 +362,9 @@ class LLMEngine:
             if reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
-                self.finished[seq.request.id] = RequestOutput(seq.request.id, seq.request.adapter, seq.generated, reason)
+                self.finished[seq.request.id] = RequestOutput(
+                    seq.request.id, seq.request.adapter, seq.generated, reason
+                )
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         s = seq.request.sampling
@@ -345,15 +391,20 @@ class LLMEngine:
             raise ValueError("request ids must be unique")
         for r in requests:
             self.add_request(r)
-        with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(ids), desc="requests", unit="req", disable=not progress, dynamic_ncols=True
+        ) as bar:
             bar.update(sum(i in self.finished for i in ids))  # refused at admission
             finished, tokens = len(self.finished), self.tokens_generated
             while self.has_unfinished():
                 self.step()
                 bar.update(len(self.finished) - finished)
                 finished = len(self.finished)
-                bar.set_postfix_str(f"{(self.tokens_generated - tokens) / max(bar.format_dict['elapsed'], 1e-3):.1f} tok/s",
-                                    refresh=False)
+                rate = (self.tokens_generated - tokens) / max(bar.format_dict["elapsed"], 1e-3)
+                bar.set_postfix_str(
+                    f"{rate:.1f} tok/s",
+                    refresh=False,
+                )
         return [self.finished.pop(i) for i in ids]
 
 

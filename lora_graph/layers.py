@@ -52,12 +52,23 @@ class LoRALinear(nn.Module):
     are added after it (``y + d`` in float32, rounded once).
     """
 
-    def __init__(self, base: nn.Linear, *, target_name: str, target: LoraTarget, layer: int, a: Tensor, b: Tensor,
-                 kernels: ops.Kernels) -> None:
+    def __init__(
+        self,
+        base: nn.Linear,
+        *,
+        target_name: str,
+        target: LoraTarget,
+        layer: int,
+        a: Tensor,
+        b: Tensor,
+        kernels: ops.Kernels,
+    ) -> None:
         super().__init__()
         if base.in_features != target.in_features or base.out_features != target.out_features:
-            raise ValueError(f"{target_name} layer {layer}: base linear {base.in_features}->{base.out_features} "
-                             f"does not match the target {target.in_features}->{target.out_features}")
+            raise ValueError(
+                f"{target_name} layer {layer}: base linear {base.in_features}->{base.out_features} "
+                f"does not match the target {target.in_features}->{target.out_features}"
+            )
         self.base = base
         self.target_name = target_name
         self.layer = layer
@@ -75,8 +86,16 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         k = self._kernels
         if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
-            y, buf = k.linear_delta(x2, self.base.weight, self.base.bias, self.a, self.b, self.num_slices,
-                                    self.out_slices, *route)
+            y, buf = k.linear_delta(
+                x2,
+                self.base.weight,
+                self.base.bias,
+                self.a,
+                self.b,
+                self.num_slices,
+                self.out_slices,
+                *route,
+            )
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = self.base(x)
@@ -85,7 +104,10 @@ class LoRALinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"target={self.target_name}, layer={self.layer}, out_slices={self.out_slices}, a={list(self.a.shape)}"
+        return (
+            f"target={self.target_name}, layer={self.layer}, out_slices={self.out_slices}, "
+            f"a={list(self.a.shape)}"
+        )
 
 
 class LoRAEmbedding(nn.Module):
@@ -97,12 +119,24 @@ class LoRAEmbedding(nn.Module):
     holds A transposed, ``b`` ``[num_slots, dim, R]``.
     """
 
-    def __init__(self, base: nn.Embedding, *, target_name: str, target: LoraTarget, layer: int, a: Tensor, b: Tensor,
-                 kernels: ops.Kernels) -> None:
+    def __init__(
+        self,
+        base: nn.Embedding,
+        *,
+        target_name: str,
+        target: LoraTarget,
+        layer: int,
+        a: Tensor,
+        b: Tensor,
+        kernels: ops.Kernels,
+    ) -> None:
         super().__init__()
         if base.num_embeddings != target.in_features or base.embedding_dim != target.out_features:
-            raise ValueError(f"{target_name}: base embedding {base.num_embeddings}x{base.embedding_dim} does not match "
-                             f"the target {target.in_features}x{target.out_features}")
+            raise ValueError(
+                f"{target_name}: base embedding {base.num_embeddings}x{base.embedding_dim} does "
+                "not match "
+                f"the target {target.in_features}x{target.out_features}"
+            )
         self.base = base
         self.target_name = target_name
         self.layer = layer
@@ -130,7 +164,11 @@ def slot_stack(pool: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:
     for dim in reversed(shape):
         strides.append(acc)
         acc *= dim
-    return pool.as_strided((pool.shape[0], *shape), (pool.stride(0), *reversed(strides)), pool.storage_offset() + offset)
+    return pool.as_strided(
+        (pool.shape[0], *shape),
+        (pool.stride(0), *reversed(strides)),
+        pool.storage_offset() + offset,
+    )
 
 
 __all__ = ["Embedding", "LoRAEmbedding", "LoRALinear", "Linear", "slot_stack"]

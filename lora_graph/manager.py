@@ -51,13 +51,23 @@ class LoRAManager:
         ValueError: for a ``config.targets`` name the model does not have.
     """
 
-    def __init__(self, config: LoRAConfig, *, targets: dict[str, LoraTarget], module_map: ModuleMap,
-                 module_path: Callable[[str, int], str], num_layers: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        *,
+        targets: dict[str, LoraTarget],
+        module_map: ModuleMap,
+        module_path: Callable[[str, int], str],
+        num_layers: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         if config.targets is not None:
             unknown = set(config.targets) - set(targets)
             if unknown:
-                raise ValueError(f"unknown LoRA targets {sorted(unknown)} (the model has {sorted(targets)})")
+                raise ValueError(
+                    f"unknown LoRA targets {sorted(unknown)} (the model has {sorted(targets)})"
+                )
             targets = {k: v for k, v in targets.items() if k in config.targets}
         self.config = config
         self.targets = targets
@@ -68,8 +78,12 @@ class LoRAManager:
         self.reader = AdapterReader(targets, module_map, num_layers)
         self.kernels = ops.kernels(config.backend, self.device)
         self.registry = AdapterRegistry()
-        self.host = HostTier(config.cpu_capacity, pin=self.device.type == "cuda", spare=self.registry.is_unloading)
-        self.slots = SlotPool(config.num_slots, self.layout.numel, dtype=self.dtype, device=self.device)
+        self.host = HostTier(
+            config.cpu_capacity, pin=self.device.type == "cuda", spare=self.registry.is_unloading
+        )
+        self.slots = SlotPool(
+            config.num_slots, self.layout.numel, dtype=self.dtype, device=self.device
+        )
         self.routing = RoutingBuffer(config.max_slots, self.device)
         self._module_path = module_path
         self._running: frozenset[str] = frozenset()
@@ -159,7 +173,10 @@ class LoRAManager:
         digest = src.digest()
         expected = self.config.adapter_digests.get(name)
         if expected is not None and expected != digest:
-            raise AdapterError(f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected {expected[:12]}…")
+            raise AdapterError(
+                f"adapter {name!r}: weights digest {digest[:12]}… does not match the expected "
+                f"{expected[:12]}…"
+            )
         old = self.registry.get(name) if name in self.registry else None
         if old is not None and old.digest == digest:
             if pin and not old.pinned:
@@ -168,7 +185,9 @@ class LoRAManager:
                 self.activate_adapter(name)
             self.registry.keep(name)
             return LoRAStatus.UNCHANGED
-        image, rank, saved_base = self.reader.load(name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype)
+        image, rank, saved_base = self.reader.load(
+            name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype
+        )
         self._check_saved_base(name, saved_base)
         if pin:
             self._check_pin(name)
@@ -207,11 +226,23 @@ class LoRAManager:
             coarse = [torch.finfo(d) for d in (saved.dtype, served.dtype)]
             rtol = 2 * max(f.eps for f in coarse)
             atol = max(f.tiny for f in coarse)  # below it half precision rounds to subnormals
-            rows = 4096  # compared in row blocks: a vocabulary-sized float32 copy at once is gigabytes
-            if not all(torch.allclose(saved[i : i + rows].to(served.device, torch.float32), served[i : i + rows].float(),
-                                      rtol=rtol, atol=atol) for i in range(0, saved.shape[0], rows)):
-                raise AdapterError(f"adapter {name!r}: its saved base weight of {ref.target} differs from the served model's "
-                                   "(trained with its own embedding or LM head?); only LoRA pairs can be served")
+            rows = (
+                4096  # compared in row blocks: a vocabulary-sized float32 copy at once is gigabytes
+            )
+            if not all(
+                torch.allclose(
+                    saved[i : i + rows].to(served.device, torch.float32),
+                    served[i : i + rows].float(),
+                    rtol=rtol,
+                    atol=atol,
+                )
+                for i in range(0, saved.shape[0], rows)
+            ):
+                raise AdapterError(
+                    f"adapter {name!r}: its saved base weight of {ref.target} differs from the "
+                    "served model's "
+                    "(trained with its own embedding or LM head?); only LoRA pairs can be served"
+                )
 
     def _check_pin(self, name: str) -> None:
         """Refuse a pin that would leave too few slots: at most ``max_slots - 1`` pinned, and
@@ -222,11 +253,17 @@ class LoRAManager:
         """
         pinned = {a.name for a in self.registry.entries() if a.pinned and a.name != name}
         if len(pinned) >= self.config.max_slots - 1:
-            raise NoFreeSlotError(f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters can be pinned")
+            raise NoFreeSlotError(
+                f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters "
+                "can be pinned"
+            )
         held = self.registry.held_keys()
         if len(held | pinned | {name}) > self.config.max_slots:
-            raise NoFreeSlotError(f"adapter {name!r}: pinning it would leave too few of the {self.config.max_slots} slots "
-                                  f"for the {len(held)} adapters that requests in flight use")
+            raise NoFreeSlotError(
+                f"adapter {name!r}: pinning it would leave too few of the {self.config.max_slots} "
+                "slots "
+                f"for the {len(held)} adapters that requests in flight use"
+            )
 
     def _retire(self, name: str) -> None:
         """Move the held current version of ``name`` to ``name@<digest>`` for the requests
@@ -284,12 +321,26 @@ class LoRAManager:
             return image
         try:
             if entry.source.digest() != entry.digest:
-                raise AdapterError(f"adapter {entry.name!r}: its file changed on disk since it was loaded; load it again")
-            image, _, _ = self.reader.load(entry.name, entry.source, self.layout, max_rank=self.config.max_rank,
-                                           dtype=self.dtype)
+                raise AdapterError(
+                    f"adapter {entry.name!r}: its file changed on disk since it was loaded; load "
+                    "it again"
+                )
+            image, _, _ = self.reader.load(
+                entry.name,
+                entry.source,
+                self.layout,
+                max_rank=self.config.max_rank,
+                dtype=self.dtype,
+            )
         except (OSError, AdapterError) as e:
-            message = str(e) if isinstance(e, AdapterError) else (
-                f"adapter {entry.name!r}: cannot read it back from {entry.source.weights_path} ({e})")
+            message = (
+                str(e)
+                if isinstance(e, AdapterError)
+                else (
+                    f"adapter {entry.name!r}: cannot read it back from "
+                    f"{entry.source.weights_path} ({e})"
+                )
+            )
             raise AdapterError(message, adapter=entry.name) from e
         return self.host.put(entry.name, image)
 
@@ -306,9 +357,12 @@ class LoRAManager:
                 be read back (the file is gone or changed).
         """
         entry = self.registry.get(name)
-        return self.slots.activate(name, lambda: self._host_image(entry),
-                                   protected=lambda k: k in self._running or self.registry.get(k).pinned,
-                                   prefer=lambda k: not self.registry.held(k))
+        return self.slots.activate(
+            name,
+            lambda: self._host_image(entry),
+            protected=lambda k: k in self._running or self.registry.get(k).pinned,
+            prefer=lambda k: not self.registry.held(k),
+        )
 
     def can_activate(self, names: set[str]) -> bool:
         """Whether every adapter in ``names`` can hold a slot at once (the scheduler asks
@@ -338,7 +392,10 @@ class LoRAManager:
         """
         names = {r.adapter for r in batch if r.adapter is not None}
         if len(names) > self.config.max_slots:
-            raise ValueError(f"a batch names {len(names)} distinct adapters but there are {self.config.max_slots} slots")
+            raise ValueError(
+                f"a batch names {len(names)} distinct adapters but there are "
+                f"{self.config.max_slots} slots"
+            )
         self._running = frozenset(names)
         self._purge(self._running)
         for name in names:
@@ -367,10 +424,16 @@ class LoRAManager:
         Raises:
             ValueError: as :func:`lora_graph.routing.group_batch`.
         """
-        return self.routing.fill(*group_batch(batch, row_offsets, self.slots.slot_of, self.config.max_slots))
+        return self.routing.fill(
+            *group_batch(batch, row_offsets, self.slots.slot_of, self.config.max_slots)
+        )
 
-    def get_lora_graph_inputs(self, batch: Sequence[HasAdapter], input_row_offsets: Sequence[int],
-                              device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def get_lora_graph_inputs(
+        self,
+        batch: Sequence[HasAdapter],
+        input_row_offsets: Sequence[int],
+        device: torch.device | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """The routing triple ``(lora_ids, grouped_offsets, end)`` of :meth:`route`.
 
         Raises:
@@ -385,15 +448,31 @@ class LoRAManager:
         """Replace each target module of ``model`` with its LoRA layer, in place, and return
         ``model``. Its forward then takes the step's routing (:mod:`lora_graph.routing`)
         and hands it to each LoRA layer; there is no wrapper module."""
-        self.layers = wrap_model(model, self.targets, num_layers=self.num_layers, module_path=self._module_path,
-                                 layout=self.layout, pool=self.slots.pool, kernels=self.kernels)
+        self.layers = wrap_model(
+            model,
+            self.targets,
+            num_layers=self.num_layers,
+            module_path=self._module_path,
+            layout=self.layout,
+            pool=self.slots.pool,
+            kernels=self.kernels,
+        )
         return model
 
-    def lora_weight_adapter(self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = "") -> WeightsAdapter:
+    def lora_weight_adapter(
+        self, base_adapter: WeightsAdapter, *, wrapper_prefix: str = ""
+    ) -> WeightsAdapter:
         """Wrap a checkpoint key adapter so its output loads into the wrapped model: the
         base module of each LoRA layer sits at ``<path>.base``."""
         paths = {self._module_path(target, layer) for target, layer in self.layers}
         return lora_weight_adapter(base_adapter, paths, wrapper_prefix=wrapper_prefix)
 
 
-__all__ = ["AdapterError", "AdapterRef", "LoRAManager", "LoRAStatus", "LoadedAdapter", "NoFreeSlotError"]
+__all__ = [
+    "AdapterError",
+    "AdapterRef",
+    "LoRAManager",
+    "LoRAStatus",
+    "LoadedAdapter",
+    "NoFreeSlotError",
+]

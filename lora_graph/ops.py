@@ -13,11 +13,12 @@ adapter), as inputs: a replay sees new routing and new slot contents without rec
 - ``lora_graph::lora_expand_(y [N, out], h, b, out_slices, *routing)``, in place:
   ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``; other rows are
   left bit-for-bit unchanged.
-- ``lora_graph::lora_embedding_shrink(tokens [N], a [num_slots, vocab, R], *routing) -> h [1, N, R]``:
-  the shrink of an embedding (a gather; one implementation for every device).
-- ``lora_graph::lora_linear_delta(x, weight, bias, a, b, num_slices, out_slices, *routing) -> (y, buf)``:
-  the base linear and the float32 delta of shrink + expand (``buf[:N*out]``), on CUDA with
-  the delta on a side stream overlapping the base GEMM (decode).
+- ``lora_graph::lora_embedding_shrink(tokens [N], a [num_slots, vocab, R], *routing)``
+  ``-> h [1, N, R]``: the shrink of an embedding (a gather; one implementation for every device).
+- ``lora_graph::lora_linear_delta(x, weight, bias, a, b, num_slices, out_slices, *routing)``
+  ``-> (y, buf)``: the base linear and the float32 delta of shrink + expand
+  (``buf[:N*out]``), on CUDA with the delta on a side stream overlapping the base GEMM
+  (decode).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def have_triton() -> bool:
 
 
 @torch.library.custom_op("lora_graph::lora_shrink", mutates_args=())
-def lora_shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+def lora_shrink(
+    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
     """Shrink (module docstring). Args: ``x`` ``[N, K]`` float32/bfloat16/float16; ``a``
     ``[num_slots, S * R, K]``; ``num_slices`` ``S``; the routing triple. Returns ``h``
     ``[S, N, R]`` float32, exactly 0 on rows that get no delta."""
@@ -69,8 +72,15 @@ def _(x, a, num_slices, lora_ids, grouped_offsets, end):
 
 
 @torch.library.custom_op("lora_graph::lora_expand_", mutates_args=("y",))
-def lora_expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-                 end: Tensor) -> None:
+def lora_expand_(
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> None:
     """Expand, in place (module docstring). Args: ``y`` ``[N, sum(out_slices)]``; ``h``
     ``[S, N, R]`` float32 from :func:`lora_shrink`; ``b`` ``[num_slots, sum(out_slices), R]``;
     ``out_slices`` the width of each slice; the routing triple."""
@@ -88,7 +98,9 @@ def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
 
 
 @torch.library.custom_op("lora_graph::lora_embedding_shrink", mutates_args=())
-def lora_embedding_shrink(tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+def lora_embedding_shrink(
+    tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
     """Embedding shrink (module docstring). Args: ``tokens`` ``[N]`` int64; ``a``
     ``[num_slots, vocab, R]`` (PEFT's ``lora_embedding_A`` transposed, so a token's rank
     vector is one contiguous row); the routing triple. Returns ``h`` ``[1, N, R]`` float32."""
@@ -101,29 +113,44 @@ def _(tokens, a, lora_ids, grouped_offsets, end):
 
 
 @torch.library.custom_op("lora_graph::lora_linear_delta", mutates_args=())
-def lora_linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
-                      out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-                      end: Tensor) -> tuple[Tensor, Tensor]:
+def lora_linear_delta(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    a: Tensor,
+    b: Tensor,
+    num_slices: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> tuple[Tensor, Tensor]:
     """The base linear ``y = x @ weight.T + bias`` and the LoRA delta ``d`` that
     :func:`lora_expand_` would add to it, in one op so a compiler cannot schedule the GEMM
     before the side-stream work starts (module docstring). Returns ``(y, buf)``: ``y``
     ``[N, sum(out_slices)]`` in ``x``'s dtype, and one float32 buffer holding ``d`` (its
     first ``N * sum(out_slices)`` elements, row-major) then ``h``. The caller adds
     ``y + d`` in float32, which a compiled graph fuses into the next pointwise op."""
-    return reference.linear_delta(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end)
+    return reference.linear_delta(
+        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end
+    )
 
 
 @lora_linear_delta.register_kernel("cuda")
 def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
     impl = _triton() or reference
-    return impl.linear_delta(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end)
+    return impl.linear_delta(
+        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end
+    )
 
 
 @lora_linear_delta.register_fake
 def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
     n, r = x.shape[0], a.shape[1] // num_slices
-    return (x.new_empty((n, weight.shape[0])),
-            x.new_empty((n * sum(out_slices) + num_slices * n * r,), dtype=torch.float32))
+    return (
+        x.new_empty((n, weight.shape[0])),
+        x.new_empty((n * sum(out_slices) + num_slices * n * r,), dtype=torch.float32),
+    )
 
 
 @dataclass(frozen=True)
@@ -165,6 +192,8 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         if device.type == "cuda":
             return Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta)
         if not impl.interpreted():
-            raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+            raise ValueError(
+                "backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+            )
         return Kernels(impl.shrink, reference.embedding_shrink, impl.expand_, impl.linear_delta)
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

@@ -57,9 +57,13 @@ def resolve_model_path(path: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        return snapshot_download(
+            path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        )
     except Exception as e:  # the hub raises many kinds; the cause goes into the message
-        raise FileNotFoundError(f"{path}: not a local directory, and fetching it from the Hugging Face hub failed ({e})") from e
+        raise FileNotFoundError(
+            f"{path}: not a local directory, and fetching it from the Hugging Face hub failed ({e})"
+        ) from e
 
 
 def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
@@ -79,12 +83,19 @@ def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
             if path.endswith(".bin"):
                 return torch.load(path, map_location="cpu", weights_only=True)
             return load_file(path)
-        except Exception as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
-            raise ValueError(f"{path}: not a readable {'torch' if path.endswith('.bin') else 'safetensors'} checkpoint "
-                             f"({e})") from e
+        except (
+            Exception
+        ) as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
+            raise ValueError(
+                f"{path}: not a readable {'torch' if path.endswith('.bin') else 'safetensors'} "
+                "checkpoint "
+                f"({e})"
+            ) from e
 
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
         if os.path.isfile(os.path.join(model_dir, single)):
             return read(os.path.join(model_dir, single))
         if os.path.isfile(os.path.join(model_dir, index)):
@@ -92,12 +103,16 @@ def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
                 with open(os.path.join(model_dir, index)) as f:
                     shards = sorted(set(json.load(f)["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{os.path.join(model_dir, index)}: not a checkpoint index ({e})") from e
+                raise ValueError(
+                    f"{os.path.join(model_dir, index)}: not a checkpoint index ({e})"
+                ) from e
             state: dict[str, Tensor] = {}
             for shard in shards:
                 state.update(read(os.path.join(model_dir, shard)))
             return state
-    raise FileNotFoundError(f"{model_dir}: no model.safetensors, pytorch_model.bin or their sharded index")
+    raise FileNotFoundError(
+        f"{model_dir}: no model.safetensors, pytorch_model.bin or their sharded index"
+    )
 
 
 class MemoryBudgetError(ValueError):
@@ -161,9 +176,17 @@ class PipelineModelWithKVCache(abc.ABC):
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported.
     """
 
-    def __init__(self, model_path: str, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                 max_batch_size: int = 8, max_seq_len: int = 512, lora: LoRAConfig | None = None,
-                 weights: dict[str, Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        lora: LoRAConfig | None = None,
+        weights: dict[str, Tensor] | None = None,
+    ) -> None:
         from transformers import AutoConfig
 
         if max_batch_size < 1:
@@ -179,13 +202,21 @@ class PipelineModelWithKVCache(abc.ABC):
         self.config = self._create_model_config(self.hf_config)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None and max_seq_len > limit:
-            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(
+                f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
+            )
         self._check_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
-            self.manager = LoRAManager(lora, targets=self.lora_targets(), module_map=self.lora_module_map,
-                                       module_path=self.lora_module_path, num_layers=self.num_layers,
-                                       dtype=self.dtype, device=self.device)
+            self.manager = LoRAManager(
+                lora,
+                targets=self.lora_targets(),
+                module_map=self.lora_module_map,
+                module_path=self.lora_module_path,
+                num_layers=self.num_layers,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self._weights = weights
         self.model = self.load_model()
         self._weights = None
@@ -209,7 +240,11 @@ class PipelineModelWithKVCache(abc.ABC):
             if lora.targets is not None:
                 targets = {k: v for k, v in targets.items() if k in lora.targets}
             itemsize = (lora.dtype or self.dtype).itemsize
-            slots = SlotLayout(targets, self.num_layers, lora.max_rank).numel * lora.num_slots * itemsize
+            slots = (
+                SlotLayout(targets, self.num_layers, lora.max_rank).numel
+                * lora.num_slots
+                * itemsize
+            )
         free = free_memory_bytes(self.device)
         if free is None or kv + slots <= free:
             return
@@ -217,10 +252,13 @@ class PipelineModelWithKVCache(abc.ABC):
         fits = max(0, (free - slots) // per_row) if per_row else 0
         gib = 2**30
         raise MemoryBudgetError(
-            f"the KV cache for max_batch_size {self.max_batch_size} x max_seq_len {self.max_seq_len} needs "
-            f"{kv / gib:.1f} GiB" + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
+            f"the KV cache for max_batch_size {self.max_batch_size} x max_seq_len "
+            f"{self.max_seq_len} needs "
+            f"{kv / gib:.1f} GiB"
+            + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
             + f", but {free / gib:.1f} GiB is free on {self.device.type}"
-            + (f"; at most max_batch_size {fits} fits at this max_seq_len" if fits else ""))
+            + (f"; at most max_batch_size {fits} fits at this max_seq_len" if fits else "")
+        )
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache this pipeline allocates (0 if the architecture has none)."""
@@ -277,16 +315,30 @@ class PipelineModelWithKVCache(abc.ABC):
         checkpoint = self._weights if self._weights is not None else read_checkpoint(self.model_dir)
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         missing, unexpected = root.load_state_dict(state, strict=False)
-        tied = ({k for k in missing if k.endswith(("lm_head.weight", "lm_head.base.weight"))}
-                if getattr(self.config, "tie_word_embeddings", False) else set())
+        tied = (
+            {k for k in missing if k.endswith(("lm_head.weight", "lm_head.base.weight"))}
+            if getattr(self.config, "tie_word_embeddings", False)
+            else set()
+        )
         if set(missing) - tied:
-            raise ValueError(f"{self.model_dir}: checkpoint lacks {sorted(set(missing) - tied)[:5]}")
+            raise ValueError(
+                f"{self.model_dir}: checkpoint lacks {sorted(set(missing) - tied)[:5]}"
+            )
         if unexpected:
-            raise ValueError(f"{self.model_dir}: checkpoint has weights the model does not use: {sorted(unexpected)[:5]}")
+            raise ValueError(
+                f"{self.model_dir}: checkpoint has weights the model does not use: "
+                f"{sorted(unexpected)[:5]}"
+            )
         return root.eval().requires_grad_(False)
 
-    def enable_compile(self, mode: str, *, decode_buckets: Sequence[int] | None = None,
-                       prefill_lengths: Sequence[int] | None = None, progress: bool = True) -> GraphCache:
+    def enable_compile(
+        self,
+        mode: str,
+        *,
+        decode_buckets: Sequence[int] | None = None,
+        prefill_lengths: Sequence[int] | None = None,
+        progress: bool = True,
+    ) -> GraphCache:
         """Capture the step per bucket, with LoRA and base-only, and serve through it.
 
         Args:
@@ -300,10 +352,17 @@ class PipelineModelWithKVCache(abc.ABC):
         from lora_graph.compile.cache import GraphCache
 
         if decode_buckets is None:
-            decode_buckets = sorted({min(2**i, self.max_batch_size) for i in range(self.max_batch_size.bit_length() + 1)})
+            decode_buckets = sorted(
+                {
+                    min(2**i, self.max_batch_size)
+                    for i in range(self.max_batch_size.bit_length() + 1)
+                }
+            )
         if prefill_lengths is None:
             prefill_lengths = sorted({min(t, self.max_seq_len) for t in (64, 256)})
-        self.graphs = GraphCache(self, mode=mode, decode_buckets=decode_buckets, prefill_lengths=prefill_lengths)  # type: ignore[arg-type]
+        self.graphs = GraphCache(
+            self, mode=mode, decode_buckets=decode_buckets, prefill_lengths=prefill_lengths
+        )  # type: ignore[arg-type]
         self.graphs.capture(progress=progress)
         return self.graphs
 
@@ -312,8 +371,16 @@ class PipelineModelWithKVCache(abc.ABC):
         return self.graphs.decode_width(rows) if self.graphs is not None else rows
 
     # ---- running ----------------------------------------------------------------------
-    def prepare(self, rows: Sequence[HasAdapter], *, tokens: Tensor, positions: Tensor, cache_rows: Tensor,
-                logits_index: Tensor | None, prefill: bool) -> ModelInputs:
+    def prepare(
+        self,
+        rows: Sequence[HasAdapter],
+        *,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_rows: Tensor,
+        logits_index: Tensor | None,
+        prefill: bool,
+    ) -> ModelInputs:
         """Make the rows' adapters active and build the step's inputs.
 
         ``rows`` are the batch rows in step order (sorted by adapter, base last), one per
@@ -338,10 +405,18 @@ class PipelineModelWithKVCache(abc.ABC):
             graph = self.graphs.lookup(inputs)
             if graph is not None:
                 return self.graphs.run(inputs, graph)
-            with torch.compiler.set_stance("force_eager"):  # an uncaptured shape: run, don't compile
+            with torch.compiler.set_stance(
+                "force_eager"
+            ):  # an uncaptured shape: run, don't compile
                 return self._execute_eager(inputs)
         return self._execute_eager(inputs)
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:
-        return self.model(inputs.tokens, inputs.positions, inputs.cache_rows, inputs.logits_index, inputs.prefill,
-                          inputs.routing)
+        return self.model(
+            inputs.tokens,
+            inputs.positions,
+            inputs.cache_rows,
+            inputs.logits_index,
+            inputs.prefill,
+            inputs.routing,
+        )

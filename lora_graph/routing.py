@@ -75,8 +75,12 @@ def sort_lora_batch(batch: Sequence[Any]) -> list[Any]:
     return sorted(batch, key=lambda r: (r.adapter is None, first[r.adapter]))
 
 
-def group_batch(batch: Sequence[HasAdapter], row_offsets: Sequence[int], slot_of: Callable[[str], int | None],
-                max_groups: int) -> tuple[list[int], list[int], list[int]]:
+def group_batch(
+    batch: Sequence[HasAdapter],
+    row_offsets: Sequence[int],
+    slot_of: Callable[[str], int | None],
+    max_groups: int,
+) -> tuple[list[int], list[int], list[int]]:
     """The groups of a sorted batch: ``(slots, row offsets, request offsets)`` with
     ``len(slots)`` groups and ``len(slots) + 1`` offsets each (before padding to ``G``).
 
@@ -102,13 +106,17 @@ def group_batch(batch: Sequence[HasAdapter], row_offsets: Sequence[int], slot_of
             seen_base = True
             continue
         if seen_base:
-            raise ValueError("the batch is not sorted: an adapter row follows a base row (use sort_lora_batch)")
+            raise ValueError(
+                "the batch is not sorted: an adapter row follows a base row (use sort_lora_batch)"
+            )
         if r.adapter != prev:
             slot = slot_of(r.adapter)
             if slot is None:
                 raise ValueError(f"adapter {r.adapter!r} is not active (activate_batch first)")
             if len(slots) == max_groups:
-                raise ValueError(f"the batch has more than {max_groups} adapter groups (use sort_lora_batch)")
+                raise ValueError(
+                    f"the batch has more than {max_groups} adapter groups (use sort_lora_batch)"
+                )
             slots.append(slot)
             offsets.append(offsets[-1])
             segments.append(segments[-1])
@@ -133,7 +141,9 @@ class RoutingBuffer:
         self.max_groups = max_groups
         g = max_groups
         sizes = (g, g + 1, 1, g + 1, 1)
-        starts = [sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]  # 16-byte aligned views
+        starts = [
+            sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))
+        ]  # 16-byte aligned views
         self._slices = [slice(start, start + n) for start, n in zip(starts, sizes, strict=True)]
         pin = device.type == "cuda"
         self._device = torch.zeros(self._slices[-1].stop, dtype=torch.int32, device=device)
@@ -146,8 +156,13 @@ class RoutingBuffer:
         slot-0 groups at the end, and return :attr:`routing`."""
         g = self.max_groups
         end, seg_end = offsets[-1], segments[-1]
-        parts = (slots + [0] * (g - len(slots)), offsets + [end] * (g + 1 - len(offsets)), [end],
-                 segments + [seg_end] * (g + 1 - len(segments)), [seg_end])
+        parts = (
+            slots + [0] * (g - len(slots)),
+            offsets + [end] * (g + 1 - len(offsets)),
+            [end],
+            segments + [seg_end] * (g + 1 - len(segments)),
+            [seg_end],
+        )
         values = [0] * self._staging.numel()
         for sl, part in zip(self._slices, parts, strict=True):
             values[sl] = part
@@ -164,5 +179,7 @@ def row_slots(n_rows: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tenso
     """``[n_rows]`` int64: the slot of each row, ``-1`` for rows at or after ``end`` (the
     kernels' group rule, module docstring)."""
     rows = torch.arange(n_rows, device=lora_ids.device, dtype=grouped_offsets.dtype)
-    group = torch.searchsorted(grouped_offsets[1:].contiguous(), rows, right=True).clamp_(max=lora_ids.numel() - 1)
+    group = torch.searchsorted(grouped_offsets[1:].contiguous(), rows, right=True).clamp_(
+        max=lora_ids.numel() - 1
+    )
     return torch.where(rows < end, lora_ids.long()[group], -1)

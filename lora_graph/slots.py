@@ -67,7 +67,9 @@ class SlotPool:
         dtype, device: of the pool.
     """
 
-    def __init__(self, num_slots: int, numel: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, num_slots: int, numel: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.pool = torch.zeros(num_slots, numel, dtype=dtype, device=device)
         self._owner: OrderedDict[str, int] = OrderedDict()  # key -> slot, oldest first
         self.loads = 0  # weight copies into slots; a steady-state step makes none
@@ -91,8 +93,14 @@ class SlotPool:
             owners[slot] = key
         return owners
 
-    def activate(self, key: str, image: Callable[[], Tensor], *, protected: Callable[[str], bool],
-                 prefer: Callable[[str], bool]) -> int:
+    def activate(
+        self,
+        key: str,
+        image: Callable[[], Tensor],
+        *,
+        protected: Callable[[str], bool],
+        prefer: Callable[[str], bool],
+    ) -> int:
         """Give ``key`` a slot and return it; copy ``image()`` in only if it has none. A
         full pool evicts the least recently used unprotected owner, ``prefer``-ed ones
         first.
@@ -117,7 +125,9 @@ class SlotPool:
             return free
         evictable = [k for k in self._owner if not protected(k)]
         if not evictable:
-            raise NoFreeSlotError(f"all {self.max_slots} slots hold pinned adapters or adapters of the running batch")
+            raise NoFreeSlotError(
+                f"all {self.max_slots} slots hold pinned adapters or adapters of the running batch"
+            )
         victim = next((k for k in evictable if prefer(k)), evictable[0])
         return self._owner.pop(victim)
 

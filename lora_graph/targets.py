@@ -56,7 +56,9 @@ class LoraTarget:
         if not self.out_slices or any(w <= 0 for w in self.out_slices):
             raise ValueError(f"out_slices must be positive widths, got {self.out_slices}")
         if self.slice_names and len(self.slice_names) != len(self.out_slices):
-            raise ValueError(f"slice_names {self.slice_names} do not match out_slices {self.out_slices}")
+            raise ValueError(
+                f"slice_names {self.slice_names} do not match out_slices {self.out_slices}"
+            )
         if self.kind == "embedding" and (self.num_slices != 1 or self.per_segment):
             raise ValueError("an embedding target has one slice and is routed per token")
 
@@ -76,7 +78,9 @@ class LoraTarget:
         """
         if shard_id is None or (self.num_slices == 1 and not self.slice_names):
             if self.num_slices != 1:
-                raise KeyError(f"a slice name is needed for a fused target with slices {self.slice_names}")
+                raise KeyError(
+                    f"a slice name is needed for a fused target with slices {self.slice_names}"
+                )
             return 0
         if shard_id in self.slice_names:
             return self.slice_names.index(shard_id)

@@ -16,9 +16,16 @@ WeightsAdapter = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 LoRALayer = LoRALinear | LoRAEmbedding
 
 
-def wrap_model(model: nn.Module, targets: dict[str, LoraTarget], *, num_layers: int,
-               module_path: Callable[[str, int], str], layout: SlotLayout, pool: Tensor,
-               kernels: Kernels) -> dict[tuple[str, int], LoRALayer]:
+def wrap_model(
+    model: nn.Module,
+    targets: dict[str, LoraTarget],
+    *,
+    num_layers: int,
+    module_path: Callable[[str, int], str],
+    layout: SlotLayout,
+    pool: Tensor,
+    kernels: Kernels,
+) -> dict[tuple[str, int], LoRALayer]:
     """Replace, in place, every target module of ``model`` with its LoRA layer.
 
     Each layer gets stacked views of its blocks in ``pool`` ``[num_slots, layout.numel]``:
@@ -46,19 +53,24 @@ def wrap_model(model: nn.Module, targets: dict[str, LoraTarget], *, num_layers: 
                 if not isinstance(base, nn.Embedding):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Embedding")
                 a = slot_stack(pool, a_off, (target.in_features, r))
-                lora = LoRAEmbedding(base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels)
+                lora = LoRAEmbedding(
+                    base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels
+                )
             else:
                 if not isinstance(base, nn.Linear):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
                 a = slot_stack(pool, a_off, (target.num_slices * r, target.in_features))
-                lora = LoRALinear(base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels)
+                lora = LoRALinear(
+                    base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels
+                )
             setattr(parent, attr, lora)
             layers[(name, layer)] = lora
     return layers
 
 
-def lora_weight_adapter(base_adapter: WeightsAdapter, wrapped_paths: set[str], *,
-                        wrapper_prefix: str = "") -> WeightsAdapter:
+def lora_weight_adapter(
+    base_adapter: WeightsAdapter, wrapped_paths: set[str], *, wrapper_prefix: str = ""
+) -> WeightsAdapter:
     """Wrap a checkpoint key adapter so its output loads into the wrapped model: the base
     module of each LoRA layer (path in ``wrapped_paths``) sits at ``<path>.base``, and every
     key gets ``wrapper_prefix.`` in front when one is given."""

@@ -16,7 +16,9 @@ def pipeline_class(model_type: str) -> type[LlamaPipeline]:
     try:
         return PIPELINES[model_type]
     except KeyError:
-        raise ValueError(f"unsupported model type {model_type!r} (supported: {', '.join(PIPELINES)})") from None
+        raise ValueError(
+            f"unsupported model type {model_type!r} (supported: {', '.join(PIPELINES)})"
+        ) from None
 
 
 __all__ = ["PIPELINES", "LlamaConfig", "LlamaModel", "LlamaPipeline", "pipeline_class"]

@@ -75,7 +75,11 @@ class LlamaConfig:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
             raise ValueError(f"unsupported rope scaling type {rope_type!r}")
-        scaling = None if rope_type == "default" else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+        scaling = (
+            None
+            if rope_type == "default"
+            else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+        )
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         bias = bool(getattr(hf, "attention_bias", False))
@@ -110,12 +114,18 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
     those below ``.../high_freq_factor`` kept, and the band between interpolated.
     """
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = dict(config.rope_scaling or ())
     if scaling.get("rope_type") == "linear":
         return inv_freq / scaling["factor"]
     if scaling.get("rope_type") == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
@@ -146,14 +156,17 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Static K and V buffers ``[max_batch, kv_heads, max_seq_len, head_dim]``, allocated once."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, max_batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         shape = (max_batch, kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def write(self, cache_rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store ``k``/``v`` ``[B, kv_heads, T, head_dim]`` at ``(cache_rows[b], positions[b, t])``."""
+        """Store ``k``/``v`` ``[B, kv_heads, T, head_dim]`` at
+        ``(cache_rows[b], positions[b, t])``."""
         rows = cache_rows[:, None].expand_as(positions)
         self.k[rows, :, positions] = k.transpose(1, 2)
         self.v[rows, :, positions] = v.transpose(1, 2)
@@ -163,12 +176,22 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
         super().__init__()
         self.config = config
-        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.kv_cache = kv_cache
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool,
-                routing: Routing | None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor,
+        cache_rows: Tensor,
+        prefill: bool,
+        routing: Routing | None,
+    ) -> Tensor:
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -182,11 +205,23 @@ class Attention(nn.Module):
         if prefill:
             mask = positions[:, None, :, None] >= positions[:, None, None, :]
             if c.sliding_window is not None:
-                mask = mask & (positions[:, None, :, None] - positions[:, None, None, :] < c.sliding_window)
+                mask = mask & (
+                    positions[:, None, :, None] - positions[:, None, None, :] < c.sliding_window
+                )
             groups = c.num_attention_heads // c.num_key_value_heads
-            if groups > 1:  # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
-                k = k[:, :, None].expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim).reshape(q.shape)
-                v = v[:, :, None].expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim).reshape(q.shape)
+            if (
+                groups > 1
+            ):  # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
+                k = (
+                    k[:, :, None]
+                    .expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim)
+                    .reshape(q.shape)
+                )
+                v = (
+                    v[:, :, None]
+                    .expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim)
+                    .reshape(q.shape)
+                )
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             # Decode: rows to cache order (cache_rows is a permutation of range(B)), attend
@@ -198,7 +233,11 @@ class Attention(nn.Module):
             if c.sliding_window is not None:
                 mask = mask & (key_pos[None, :] > pos_c - c.sliding_window)
             out = F.scaled_dot_product_attention(
-                qc, self.kv_cache.k[:bsz], self.kv_cache.v[:bsz], attn_mask=mask[:, None, None, :], enable_gqa=True
+                qc,
+                self.kv_cache.k[:bsz],
+                self.kv_cache.v[:bsz],
+                attn_mask=mask[:, None, None, :],
+                enable_gqa=True,
             )
             out = out[cache_rows]
         out = out.transpose(1, 2).reshape(bsz, seqlen, c.q_size)
@@ -209,7 +248,9 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, routing: Routing | None) -> Tensor:
@@ -225,9 +266,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor, prefill: bool,
-                routing: Routing | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache_rows, prefill, routing)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor,
+        cache_rows: Tensor,
+        prefill: bool,
+        routing: Routing | None,
+    ) -> Tensor:
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, positions, cache_rows, prefill, routing
+        )
         return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
@@ -241,12 +292,17 @@ class LlamaModel(nn.Module):
         dtype: parameter, activation and KV cache dtype.
     """
 
-    def __init__(self, config: LlamaConfig, *, max_batch: int, max_seq_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: LlamaConfig, *, max_batch: int, max_seq_len: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype))
+            DecoderLayer(
+                config,
+                KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype),
+            )
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -258,8 +314,15 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor, cache_rows: Tensor, logits_index: Tensor | None, prefill: bool,
-                routing: Routing | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache_rows: Tensor,
+        logits_index: Tensor | None,
+        prefill: bool,
+        routing: Routing | None = None,
+    ) -> Tensor:
         """One step.
 
         Args:
@@ -293,20 +356,40 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     delta changes the logits only, never the input embedding (as in PEFT)."""
     c = config
     return {
-        "qkv_proj": LoraTarget(c.hidden_size, (c.q_size, c.kv_size, c.kv_size), "column", ("q_proj", "k_proj", "v_proj"),
-                               slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)),
+        "qkv_proj": LoraTarget(
+            c.hidden_size,
+            (c.q_size, c.kv_size, c.kv_size),
+            "column",
+            ("q_proj", "k_proj", "v_proj"),
+            slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads),
+        ),
         "o_proj": LoraTarget(c.q_size, (c.hidden_size,), "row", ("o_proj",)),
-        "gate_up_proj": LoraTarget(c.hidden_size, (c.intermediate_size,) * 2, "column", ("gate_proj", "up_proj")),
+        "gate_up_proj": LoraTarget(
+            c.hidden_size, (c.intermediate_size,) * 2, "column", ("gate_proj", "up_proj")
+        ),
         "down_proj": LoraTarget(c.intermediate_size, (c.hidden_size,), "row", ("down_proj",)),
-        "embed_tokens": LoraTarget(c.vocab_size, (c.hidden_size,), "none", ("embed_tokens",), layers=(0,), kind="embedding"),
-        "lm_head": LoraTarget(c.hidden_size, (c.vocab_size,), "column", ("lm_head",), layers=(0,), per_segment=True),
+        "embed_tokens": LoraTarget(
+            c.vocab_size, (c.hidden_size,), "none", ("embed_tokens",), layers=(0,), kind="embedding"
+        ),
+        "lm_head": LoraTarget(
+            c.hidden_size, (c.vocab_size,), "column", ("lm_head",), layers=(0,), per_segment=True
+        ),
     }
 
 
-_MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
+_MODULE_RE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+)
 _TOP_RE = re.compile(r"(?:^|\.)(embed_tokens|lm_head)$")
-_SLICE_TARGET = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_SLICE_TARGET = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+}
 
 
 def lora_module_map(module: str) -> LoraModuleRef | None:
@@ -327,8 +410,13 @@ def lora_module_path(target: str, layer: int) -> str:
     return f"layers.{layer}.{parent}.{target}"
 
 
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -361,7 +449,9 @@ class LlamaPipeline(PipelineModelWithKVCache):
         return LlamaConfig.from_hf(hf_config)
 
     def _instantiate_module(self, config: LlamaConfig) -> LlamaModel:
-        return LlamaModel(config, max_batch=self.max_batch_size, max_seq_len=self.max_seq_len, dtype=self.dtype)
+        return LlamaModel(
+            config, max_batch=self.max_batch_size, max_seq_len=self.max_seq_len, dtype=self.dtype
+        )
 
     @property
     def num_layers(self) -> int:
@@ -381,7 +471,15 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     def kv_cache_bytes(self) -> int:
         c = self.config
-        return 2 * c.num_hidden_layers * self.max_batch_size * c.num_key_value_heads * self.max_seq_len * c.head_dim * self.dtype.itemsize
+        return (
+            2
+            * c.num_hidden_layers
+            * self.max_batch_size
+            * c.num_key_value_heads
+            * self.max_seq_len
+            * c.head_dim
+            * self.dtype.itemsize
+        )
 
     def compile_regions(self) -> list[nn.Module]:
         return list(self.model.layers)

@@ -24,8 +24,15 @@ ADAPTERS = {
     "B": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True), 40.0),
     "C": (dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "down_proj"]), 20.0),
     # the embedding (lora_embedding_A/B) and the LM head (per segment), at another rank
-    "D": (dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"],
-               rank_pattern={"lm_head": 4}), 20.0),
+    "D": (
+        dict(
+            r=8,
+            lora_alpha=16,
+            target_modules=["embed_tokens", "lm_head", "q_proj", "down_proj"],
+            rank_pattern={"lm_head": 4},
+        ),
+        20.0,
+    ),
 }
 
 
@@ -50,23 +57,47 @@ def make_hf_model(kind: str, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2))
         with torch.no_grad():  # make the q/k/v biases visible
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
         return model
-    extra = {"gqa": dict(num_key_value_heads=2),
-             "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
-             "llama3": dict(num_key_value_heads=1, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                                       high_freq_factor=4.0, original_max_position_embeddings=16))}[kind]
+    extra = {
+        "gqa": dict(num_key_value_heads=2),
+        "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+        "llama3": dict(
+            num_key_value_heads=1,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    }[kind]
     return LlamaForCausalLM(LlamaConfig(**common, **extra))
 
 
-def make_peft_adapter(base_dir: Path, out_dir: Path, *, seed: int, factor: float, **lora_kwargs) -> Path:
+def make_peft_adapter(
+    base_dir: Path, out_dir: Path, *, seed: int, factor: float, **lora_kwargs
+) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -89,8 +120,10 @@ def tiny_factory(tmp_path_factory):
         if kind not in cache:
             root = tmp_path_factory.mktemp(kind)
             make_hf_model(kind).save_pretrained(root / "base")
-            adapters = {name: make_peft_adapter(root / "base", root / name, seed=i + 10, factor=f, **kw)
-                        for i, (name, (kw, f)) in enumerate(ADAPTERS.items())}
+            adapters = {
+                name: make_peft_adapter(root / "base", root / name, seed=i + 10, factor=f, **kw)
+                for i, (name, (kw, f)) in enumerate(ADAPTERS.items())
+            }
             cache[kind] = Tiny(kind, root / "base", adapters, 128)
         return cache[kind]
 
@@ -105,8 +138,14 @@ def tiny(tiny_factory) -> Tiny:
 class PeftReference:
     """Per-request reference: ``transformers`` + ``peft`` with every adapter loaded."""
 
-    def __init__(self, t: Tiny, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 autocast_adapter_dtype: bool = True) -> None:
+    def __init__(
+        self,
+        t: Tiny,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        autocast_adapter_dtype: bool = True,
+    ) -> None:
         """``autocast_adapter_dtype`` is PEFT's: True (its default) keeps the adapter weights
         in float32 under a half-precision base; False casts them to ``dtype``."""
         from peft import PeftModel
@@ -115,10 +154,16 @@ class PeftReference:
         self.device = device
         base = AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype).to(device).eval()
         names = list(t.adapters)
-        self.model = PeftModel.from_pretrained(base, t.adapters[names[0]], adapter_name=names[0],
-                                               autocast_adapter_dtype=autocast_adapter_dtype).eval()
+        self.model = PeftModel.from_pretrained(
+            base,
+            t.adapters[names[0]],
+            adapter_name=names[0],
+            autocast_adapter_dtype=autocast_adapter_dtype,
+        ).eval()
         for name in names[1:]:
-            self.model.load_adapter(t.adapters[name], adapter_name=name, autocast_adapter_dtype=autocast_adapter_dtype)
+            self.model.load_adapter(
+                t.adapters[name], adapter_name=name, autocast_adapter_dtype=autocast_adapter_dtype
+            )
 
     @torch.no_grad()
     def logits(self, ids: list[int], adapter: str | None) -> torch.Tensor:
@@ -151,20 +196,37 @@ def reference_factory():
     return build
 
 
-def make_pipeline(t: Tiny, *, max_slots: int = 4, max_rank: int = 16, max_batch_size: int = 8, max_seq_len: int = 64,
-                  load: tuple[str, ...] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  slot_dtype: torch.dtype | None = None):
+def make_pipeline(
+    t: Tiny,
+    *,
+    max_slots: int = 4,
+    max_rank: int = 16,
+    max_batch_size: int = 8,
+    max_seq_len: int = 64,
+    load: tuple[str, ...] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    slot_dtype: torch.dtype | None = None,
+):
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
-    pipe = LlamaPipeline(str(t.base), dtype=dtype, device=device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank, dtype=slot_dtype))
+    pipe = LlamaPipeline(
+        str(t.base),
+        dtype=dtype,
+        device=device,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank, dtype=slot_dtype),
+    )
     for name in load if load is not None else tuple(t.adapters):
         pipe.manager.load_adapter(str(t.adapters[name]), name=name)
     return pipe
 
 
-def prompts(n: int, *, seed: int = 0, vocab: int = 128, min_len: int = 3, max_len: int = 12) -> list[list[int]]:
+def prompts(
+    n: int, *, seed: int = 0, vocab: int = 128, min_len: int = 3, max_len: int = 12
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
     return [torch.randint(3, vocab, (int(n_),), generator=g).tolist() for n_ in lengths]

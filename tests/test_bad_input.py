@@ -33,8 +33,10 @@ def _run(tiny, argv_extra, *, loras=("A", "B"), stdout=None):
 
 def _good_requests():
     ids = prompts(3, seed=61)
-    return [{"id": f"g{i}", "prompt_token_ids": p, "adapter": a, "max_new_tokens": 6}
-            for i, (p, a) in enumerate(zip(ids, ["A", None, "B"], strict=True))]
+    return [
+        {"id": f"g{i}", "prompt_token_ids": p, "adapter": a, "max_new_tokens": 6}
+        for i, (p, a) in enumerate(zip(ids, ["A", None, "B"], strict=True))
+    ]
 
 
 def _check_good(results, ref):
@@ -71,14 +73,29 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_request_values_are_error_lines_and_the_rest_are_served(tiny, tmp_path, reference_factory):
+def test_bad_request_values_are_error_lines_and_the_rest_are_served(
+    tiny, tmp_path, reference_factory
+):
     ref = reference_factory(tiny)
     lines = [json.dumps(r) for r in _good_requests()]
     for k, (fields, _) in enumerate(BAD_REQUESTS):
-        lines.insert(1 + k % 3, json.dumps({"id": f"bad{k}", "prompt_token_ids": [5, 6, 7], **fields}))
+        lines.insert(
+            1 + k % 3, json.dumps({"id": f"bad{k}", "prompt_token_ids": [5, 6, 7], **fields})
+        )
     # valid extremes sample without failing
-    lines.append(json.dumps({"id": "hot", "prompt_token_ids": [5, 6], "temperature": 0.01, "top_p": 1e-9,
-                             "seed": 2**64 - 1, "top_k": 10**9, "max_new_tokens": 3}))
+    lines.append(
+        json.dumps(
+            {
+                "id": "hot",
+                "prompt_token_ids": [5, 6],
+                "temperature": 0.01,
+                "top_p": 1e-9,
+                "seed": 2**64 - 1,
+                "top_k": 10**9,
+                "max_new_tokens": 3,
+            }
+        )
+    )
     results = {r["id"]: r for r in _serve_file(tiny, tmp_path, "\n".join(lines).encode())}
     line_of = {json.loads(line)["id"]: n for n, line in enumerate(lines, 1)}
     for k, (_, message) in enumerate(BAD_REQUESTS):
@@ -93,16 +110,30 @@ def test_requests_file_encoding(tiny, tmp_path, reference_factory):
     U+2028 inside a JSON string does not split the line."""
     ref = reference_factory(tiny)
     good = [json.dumps(r).encode() for r in _good_requests()]
-    lines = [b"\xef\xbb\xbf" + good[0],
-             b'{"id": "latin1", "prompt_token_ids": [5, 6], "adapter": "caf\xe9"}',
-             good[1],
-             json.dumps({"id": "sep", "prompt_token_ids": [5, 6], "max_new_tokens": 2, "adapter": None,
-                         "ignore_eos": True}, ensure_ascii=False).replace('"ignore_eos"', '"\u2028ignore_eos"').encode(),
-             good[2]]
+    lines = [
+        b"\xef\xbb\xbf" + good[0],
+        b'{"id": "latin1", "prompt_token_ids": [5, 6], "adapter": "caf\xe9"}',
+        good[1],
+        json.dumps(
+            {
+                "id": "sep",
+                "prompt_token_ids": [5, 6],
+                "max_new_tokens": 2,
+                "adapter": None,
+                "ignore_eos": True,
+            },
+            ensure_ascii=False,
+        )
+        .replace('"ignore_eos"', '"\u2028ignore_eos"')
+        .encode(),
+        good[2],
+    ]
     results = _serve_file(tiny, tmp_path, b"\n".join(lines))
     by_id = {r["id"]: r for r in results}
     assert by_id["line-2"]["error"] == "line 2: not valid UTF-8 (byte 0xe9 at column 61)"
-    assert "line 4: unknown field '\\u2028ignore_eos'" in by_id["sep"]["error"]  # one line, not split at U+2028
+    assert (
+        "line 4: unknown field '\\u2028ignore_eos'" in by_id["sep"]["error"]
+    )  # one line, not split at U+2028
     assert len(results) == 5
     _check_good(by_id, ref)
 
@@ -111,15 +142,46 @@ def test_finish_reason_says_why_a_request_ended(tiny, tmp_path, reference_factor
     ref = reference_factory(tiny)
     ids = prompts(1, seed=62)[0]
     greedy = ref.greedy(ids, "A", 8)
-    requests = [{"id": "len", "prompt_token_ids": ids, "adapter": "A", "max_new_tokens": 3, "ignore_eos": True},
-                {"id": "stop", "prompt_token_ids": ids, "adapter": "A", "max_new_tokens": 8, "stop_token_ids": [greedy[1]],
-                 "ignore_eos": True},
-                {"id": "row", "prompt_token_ids": ids, "adapter": "A", "max_new_tokens": 100, "ignore_eos": True}]
-    results = {r["id"]: r for r in _serve_file(tiny, tmp_path, "\n".join(map(json.dumps, requests)).encode(),
-                                               extra=["--max-seq-len", str(len(ids) + 5)])}
+    requests = [
+        {
+            "id": "len",
+            "prompt_token_ids": ids,
+            "adapter": "A",
+            "max_new_tokens": 3,
+            "ignore_eos": True,
+        },
+        {
+            "id": "stop",
+            "prompt_token_ids": ids,
+            "adapter": "A",
+            "max_new_tokens": 8,
+            "stop_token_ids": [greedy[1]],
+            "ignore_eos": True,
+        },
+        {
+            "id": "row",
+            "prompt_token_ids": ids,
+            "adapter": "A",
+            "max_new_tokens": 100,
+            "ignore_eos": True,
+        },
+    ]
+    results = {
+        r["id"]: r
+        for r in _serve_file(
+            tiny,
+            tmp_path,
+            "\n".join(map(json.dumps, requests)).encode(),
+            extra=["--max-seq-len", str(len(ids) + 5)],
+        )
+    }
     assert results["len"]["finish_reason"] == "length" and len(results["len"]["token_ids"]) == 3
-    assert results["stop"]["finish_reason"] == "stop" and results["stop"]["token_ids"][-1] == greedy[1]
-    assert results["row"]["finish_reason"] == "length" and len(results["row"]["token_ids"]) == 5  # the KV row's end
+    assert (
+        results["stop"]["finish_reason"] == "stop" and results["stop"]["token_ids"][-1] == greedy[1]
+    )
+    assert (
+        results["row"]["finish_reason"] == "length" and len(results["row"]["token_ids"]) == 5
+    )  # the KV row's end
 
 
 def test_single_prompt_refused_exits_2(tiny, capsys):
@@ -178,14 +240,23 @@ BAD_CONFIGS = [
     ({"r": "abc"}, "field 'r' must be a positive integer, got 'abc'"),
     ({"r": 8.0}, "field 'r' must be a positive integer"),
     ({"rank_pattern": [1, 2]}, "field 'rank_pattern' must be an object of positive integers"),
-    ({"alpha_pattern": {"q_proj": "x"}}, "field 'alpha_pattern' must be an object of finite numbers"),
-    ({"rank_pattern": {"(": 8}}, "field 'rank_pattern' has key '(', not a valid regular expression"),
+    (
+        {"alpha_pattern": {"q_proj": "x"}},
+        "field 'alpha_pattern' must be an object of finite numbers",
+    ),
+    (
+        {"rank_pattern": {"(": 8}},
+        "field 'rank_pattern' has key '(', not a valid regular expression",
+    ),
     ({"lora_alpha": None}, "field 'lora_alpha' must be a finite number, got None"),
     ({"lora_alpha": math.nan}, "field 'lora_alpha' must be a finite number"),
     ({"use_rslora": "yes"}, "field 'use_rslora' must be true or false"),
     ({"target_modules": 5}, "field 'target_modules' must be a string, a list of strings or null"),
-    ({"target_modules": ["q_proj"]}, "module model.layers.0.mlp.down_proj has LoRA weights, but adapter_config.json's "
-                                     "target_modules ['q_proj'] does not select it"),
+    (
+        {"target_modules": ["q_proj"]},
+        "module model.layers.0.mlp.down_proj has LoRA weights, but adapter_config.json's "
+        "target_modules ['q_proj'] does not select it",
+    ),
     ({"layers_to_transform": [1]}, "module model.layers.0.mlp.down_proj has LoRA weights"),
     ({"peft_type": "lora"}, "peft_type 'lora' is not LoRA"),
     ({"r": 4}, "has rank-8 tensors (lora_A [8, 96]) but adapter_config.json's r is 4"),
@@ -199,13 +270,25 @@ def _config_bytes(tiny, change) -> bytes | None:
 
 
 @pytest.mark.parametrize("change, message", BAD_CONFIGS, ids=[m[:40] for _, m in BAD_CONFIGS])
-def test_bad_adapter_config_is_refused_naming_file_and_field(tiny, tmp_path, change, message, capsys):
+def test_bad_adapter_config_is_refused_naming_file_and_field(
+    tiny, tmp_path, change, message, capsys
+):
     path = _adapter_with_config(tiny, tmp_path, _config_bytes(tiny, change))
     pipe = make_pipeline(tiny, load=())
     with pytest.raises(AdapterError) as e:
         pipe.manager.check_adapter(str(path), name="bad")
     assert message in str(e.value)
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"bad={path}", "--prompt", "hi"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--lora",
+        f"bad={path}",
+        "--prompt",
+        "hi",
+    ]
     assert main(argv, stdout=io.StringIO()) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
@@ -213,10 +296,22 @@ def test_bad_adapter_config_is_refused_naming_file_and_field(tiny, tmp_path, cha
 
 
 def test_adapter_config_given_as_the_path(tiny, capsys):
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--prompt", "hi",
-            "--lora", f"x={tiny.adapters['A'] / 'adapter_config.json'}"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--prompt",
+        "hi",
+        "--lora",
+        f"x={tiny.adapters['A'] / 'adapter_config.json'}",
+    ]
     assert main(argv, stdout=io.StringIO()) == 2
-    assert "this is the adapter's config; give the adapter directory that holds it" in capsys.readouterr().err
+    assert (
+        "this is the adapter's config; give the adapter directory that holds it"
+        in capsys.readouterr().err
+    )
 
 
 def test_bare_file_without_config_is_served_with_scale_1(tiny, tmp_path):
@@ -224,15 +319,19 @@ def test_bare_file_without_config_is_served_with_scale_1(tiny, tmp_path):
     scaled (scale 1). Folding adapter A's scale into B by hand gives adapter A's output."""
     pipe = make_pipeline(tiny, load=("A",))
     scale = _config_a(tiny)["lora_alpha"] / _config_a(tiny)["r"]
-    weights = {k: v * scale if "lora_B" in k else v
-               for k, v in load_file(str(tiny.adapters["A"] / "adapter_model.safetensors")).items()}
+    weights = {
+        k: v * scale if "lora_B" in k else v
+        for k, v in load_file(str(tiny.adapters["A"] / "adapter_model.safetensors")).items()
+    }
     bare = tmp_path / "scaled.safetensors"
     save_file(weights, str(bare))
     pipe.manager.load_adapter(str(bare), name="bare")
     from test_parity import run_prefill
 
     batch = prompts(1, seed=63)
-    torch.testing.assert_close(run_prefill(pipe, batch, ["bare"])[0], run_prefill(pipe, batch, ["A"])[0])
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["bare"])[0], run_prefill(pipe, batch, ["A"])[0]
+    )
 
 
 def test_model_with_bin_weights_only(tiny, tmp_path, reference_factory):
@@ -244,8 +343,19 @@ def test_model_with_bin_weights_only(tiny, tmp_path, reference_factory):
     out = io.StringIO()
     ids = prompts(1, seed=64)[0]
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"id": "x", "prompt_token_ids": ids, "max_new_tokens": 5, "ignore_eos": True}))
-    argv = ["generate", "--model", str(model_dir), "--device", "cpu", "--no-progress", "--requests", str(path)]
+    path.write_text(
+        json.dumps({"id": "x", "prompt_token_ids": ids, "max_new_tokens": 5, "ignore_eos": True})
+    )
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--requests",
+        str(path),
+    ]
     assert main(argv, stdout=out) == 0
     assert json.loads(out.getvalue())["token_ids"] == reference_factory(tiny).greedy(ids, None, 5)
 
@@ -256,18 +366,56 @@ def test_sampling_never_fails_for_admitted_params():
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         logits = torch.randn(50, generator=g) * 10 ** rng.uniform(-3, 6)
-        params = SamplingParams(temperature=rng.choice([0.01, 0.5, 1.0, 1e6, 1e300]),
-                                top_k=rng.choice([0, 1, 5, 10**9]), top_p=rng.choice([1.0, 0.5, 1e-12]))
+        params = SamplingParams(
+            temperature=rng.choice([0.01, 0.5, 1.0, 1e6, 1e300]),
+            top_k=rng.choice([0, 1, 5, 10**9]),
+            top_p=rng.choice([1.0, 0.5, 1e-12]),
+        )
         params.validate()
         token = sample(logits, params, g)
         assert 0 <= token < 50
 
 
 # ---- fuzz ----------------------------------------------------------------------------
-WEIRD_VALUES = [math.nan, math.inf, -math.inf, -1, 0, 1e-45, 2**70, 10**400, "abc", "", True, False, None, [], {},
-                [1.5], [True], ["x"], 1.5, "\u2028", "\x00", {"a": 1}, [[1]]]
-FIELDS = ["id", "prompt", "prompt_token_ids", "adapter", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
-          "stop_token_ids", "ignore_eos", "unknown"]
+WEIRD_VALUES = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    -1,
+    0,
+    1e-45,
+    2**70,
+    10**400,
+    "abc",
+    "",
+    True,
+    False,
+    None,
+    [],
+    {},
+    [1.5],
+    [True],
+    ["x"],
+    1.5,
+    "\u2028",
+    "\x00",
+    {"a": 1},
+    [[1]],
+]
+FIELDS = [
+    "id",
+    "prompt",
+    "prompt_token_ids",
+    "adapter",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "unknown",
+]
 
 
 def _mutate_line(rng: random.Random, req: dict) -> bytes:
@@ -288,7 +436,9 @@ def _mutate_line(rng: random.Random, req: dict) -> bytes:
             elif op == 1:
                 del data[i]
             else:
-                data.insert(i, rng.choice([0xFF, 0xC3, 0x80, ord("{"), ord('"'), ord("\\"), 0x0D, 0x0B]))
+                data.insert(
+                    i, rng.choice([0xFF, 0xC3, 0x80, ord("{"), ord('"'), ord("\\"), 0x0D, 0x0B])
+                )
         text = bytes(data).replace(b"\n", b" ")
     return text
 
@@ -307,8 +457,22 @@ def test_fuzz_requests_file(tiny, tmp_path, reference_factory):
     out = io.StringIO()
     path = tmp_path / "fuzz.jsonl"
     path.write_bytes(b"\n".join(lines))
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--no-progress", "--max-seq-len", "32",
-            "--requests", str(path), "--lora", f"A={tiny.adapters['A']}", "--lora", f"B={tiny.adapters['B']}"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--max-seq-len",
+        "32",
+        "--requests",
+        str(path),
+        "--lora",
+        f"A={tiny.adapters['A']}",
+        "--lora",
+        f"B={tiny.adapters['B']}",
+    ]
     assert main(argv, stdout=out) == 0
     results = [json.loads(line) for line in out.getvalue().splitlines()]
     assert all("id" in r and (("error" in r) != ("token_ids" in r)) for r in results)
@@ -319,16 +483,31 @@ def test_fuzz_requests_file(tiny, tmp_path, reference_factory):
 
 # plausible values per field (a mutation draws from these or from WEIRD_VALUES)
 CONFIG_VALUES = {
-    "peft_type": ["LORA", "lora", "LOHA"], "r": [8, 4, 16], "lora_alpha": [8, 16, 3.5, 0, -4],
-    "use_rslora": [True, False], "rank_pattern": [{}, {"q_proj": 8}, {"q_proj": 4}, {"layers.0.self_attn.q_proj": 8}],
-    "alpha_pattern": [{}, {"q_proj": 32}, {"v_proj": 2.5}, {"layers.1.mlp.down_proj": 1}], "bias": ["none", "all"],
-    "use_dora": [False, True], "modules_to_save": [None, [], ["lm_head"]],
-    "init_lora_weights": [True, False, "gaussian", "pissa"], "fan_in_fan_out": [True, False],
-    "lora_dropout": [0.0, 0.1], "task_type": ["CAUSAL_LM", None], "inference_mode": [True, False],
-    "target_modules": [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all-linear",
-                       r".*_proj", ["q_proj"], None],
-    "layers_to_transform": [None, [0, 1], [1], 0], "layers_pattern": [None, "layers", "blocks"],
-    "lora_bias": [False, True], "unknown_field": [None, 1],
+    "peft_type": ["LORA", "lora", "LOHA"],
+    "r": [8, 4, 16],
+    "lora_alpha": [8, 16, 3.5, 0, -4],
+    "use_rslora": [True, False],
+    "rank_pattern": [{}, {"q_proj": 8}, {"q_proj": 4}, {"layers.0.self_attn.q_proj": 8}],
+    "alpha_pattern": [{}, {"q_proj": 32}, {"v_proj": 2.5}, {"layers.1.mlp.down_proj": 1}],
+    "bias": ["none", "all"],
+    "use_dora": [False, True],
+    "modules_to_save": [None, [], ["lm_head"]],
+    "init_lora_weights": [True, False, "gaussian", "pissa"],
+    "fan_in_fan_out": [True, False],
+    "lora_dropout": [0.0, 0.1],
+    "task_type": ["CAUSAL_LM", None],
+    "inference_mode": [True, False],
+    "target_modules": [
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "all-linear",
+        r".*_proj",
+        ["q_proj"],
+        None,
+    ],
+    "layers_to_transform": [None, [0, 1], [1], 0],
+    "layers_pattern": [None, "layers", "blocks"],
+    "lora_bias": [False, True],
+    "unknown_field": [None, 1],
 }
 
 
@@ -351,7 +530,9 @@ def test_fuzz_adapter_config(tiny, tmp_path):
             if rng.random() < 0.15:
                 mutated.pop(field, None)
             else:
-                mutated[field] = rng.choice(CONFIG_VALUES[field] if rng.random() < 0.7 else WEIRD_VALUES)
+                mutated[field] = rng.choice(
+                    CONFIG_VALUES[field] if rng.random() < 0.7 else WEIRD_VALUES
+                )
         text = json.dumps(mutated, allow_nan=True).encode()
         if rng.random() < 0.1:
             data = bytearray(text)
@@ -366,9 +547,13 @@ def test_fuzz_adapter_config(tiny, tmp_path):
         accepted += 1
         got = run_prefill(pipe, batch, [f"m{k}"])[0]
         pipe.manager.unload_adapter(f"m{k}")
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny.base), str(path)).eval()
+        peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny.base), str(path)
+        ).eval()
         with torch.no_grad():
             want = peft(torch.tensor([batch[0]])).logits[0]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"served differently from peft: {mutated}")
+        torch.testing.assert_close(
+            got, want, rtol=1e-4, atol=1e-4, msg=f"served differently from peft: {mutated}"
+        )
     print(f"accepted {accepted}, refused {refused}")
     assert accepted >= 3 and refused >= 10

@@ -25,7 +25,9 @@ def test_benchmark_smoke(script, tmp_path):
     if script in WRITES_JSON:
         argv += ["--json", str(tmp_path / "out.json")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "|---" in proc.stdout  # the results table
     if script in WRITES_JSON:

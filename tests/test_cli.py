@@ -16,21 +16,45 @@ def test_generate_requests_file_matches_peft(tiny, reference_factory, tmp_path):
     ref = reference_factory(tiny)
     batch = prompts(5, seed=11)
     adapters = ["A", None, "B", "C", "A"]
-    lines = [json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "adapter": a, "max_new_tokens": 12})
-             for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))]
-    lines.insert(2, json.dumps({"id": "bad-adapter", "prompt_token_ids": [5, 6], "adapter": "nope"}))
+    lines = [
+        json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "adapter": a, "max_new_tokens": 12})
+        for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))
+    ]
+    lines.insert(
+        2, json.dumps({"id": "bad-adapter", "prompt_token_ids": [5, 6], "adapter": "nope"})
+    )
     lines.insert(4, "{not json")
     lines.append(json.dumps({"id": "bad-temp", "prompt_token_ids": [5, 6], "temperature": -1}))
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--max-loras", "2", "--requests", str(requests),
-            "--output", str(output)]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--max-loras",
+        "2",
+        "--requests",
+        str(requests),
+        "--output",
+        str(output),
+    ]
     for name, path in tiny.adapters.items():
         argv += ["--lora", f"{name}={path}"]
     assert main(argv) == 0
     results = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [r["id"] for r in results] == ["r0", "r1", "bad-adapter", "r2", "line-5", "r3", "r4", "bad-temp"]
+    assert [r["id"] for r in results] == [
+        "r0",
+        "r1",
+        "bad-adapter",
+        "r2",
+        "line-5",
+        "r3",
+        "r4",
+        "bad-temp",
+    ]
     by_id = {r["id"]: r for r in results}
     assert "unknown adapter 'nope'" in by_id["bad-adapter"]["error"]
     assert "line 5" in by_id["line-5"]["error"]
@@ -49,9 +73,22 @@ def test_unloadable_adapter_exits_2_with_one_line(tiny, tmp_path, capsys):
     bad.mkdir()
     config = json.loads((tiny.adapters["A"] / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    (bad / "adapter_model.safetensors").write_bytes((tiny.adapters["A"] / "adapter_model.safetensors").read_bytes())
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"good={tiny.adapters['A']}",
-            "--lora", f"broken={bad}", "--prompt", "hi"]
+    (bad / "adapter_model.safetensors").write_bytes(
+        (tiny.adapters["A"] / "adapter_model.safetensors").read_bytes()
+    )
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--lora",
+        f"good={tiny.adapters['A']}",
+        "--lora",
+        f"broken={bad}",
+        "--prompt",
+        "hi",
+    ]
     assert main(argv, stdout=io.StringIO()) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
@@ -59,7 +96,17 @@ def test_unloadable_adapter_exits_2_with_one_line(tiny, tmp_path, capsys):
 
 
 def test_missing_adapter_path_exits_2(tiny, capsys):
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", "x=/no/such/adapter", "--prompt", "hi"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--lora",
+        "x=/no/such/adapter",
+        "--prompt",
+        "hi",
+    ]
     assert main(argv, stdout=io.StringIO()) == 2
     err = capsys.readouterr().err
     assert "'x'" in err and "no such file" in err
@@ -68,7 +115,17 @@ def test_missing_adapter_path_exits_2(tiny, capsys):
 def test_cudagraph_without_cuda_exits_2(tiny, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--compile", "cudagraph", "--prompt", "hi"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--compile",
+        "cudagraph",
+        "--prompt",
+        "hi",
+    ]
     assert main(argv, stdout=io.StringIO()) == 2
     assert "cudagraph mode needs a CUDA device" in capsys.readouterr().err
 
@@ -82,7 +139,10 @@ def test_cudagraph_without_cuda_exits_2(tiny, capsys):
         (["--max-seq-len", "4096"], "exceeds the model's max_position_embeddings 128"),
         (["--lora", "a=/x", "--lora", "a=/y"], "adapter name 'a' is given more than once"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
-        (["--output", "/no/such/dir/out.jsonl"], "--output /no/such/dir/out.jsonl: its directory does not exist"),
+        (
+            ["--output", "/no/such/dir/out.jsonl"],
+            "--output /no/such/dir/out.jsonl: its directory does not exist",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(tiny, capsys, extra, message):
@@ -95,8 +155,14 @@ def test_bad_flags_exit_2_naming_the_flag(tiny, capsys, extra, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["generate", "--model", "/no/such/model", "--prompt", "hi"], "/no/such/model: no such model directory"),
-        (["demo", "--assets", "/no/such/assets"], "--assets /no/such/assets: expected base/config.json"),
+        (
+            ["generate", "--model", "/no/such/model", "--prompt", "hi"],
+            "/no/such/model: no such model directory",
+        ),
+        (
+            ["demo", "--assets", "/no/such/assets"],
+            "--assets /no/such/assets: expected base/config.json",
+        ),
         (["demo", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
     ],
 )
@@ -113,16 +179,33 @@ def test_request_fields_unknown_refused_stop_tokens_honoured(tiny, tmp_path, ref
     ids = prompts(1, seed=12)[0]
     greedy = ref.greedy(ids, "A", 6)
     stop = greedy[2]
-    lines = [{"id": "typo", "prompt_token_ids": ids, "adaptor": "A"},
-             {"id": "vllm", "prompt_token_ids": ids, "lora_name": "A"},
-             {"id": "stop", "prompt_token_ids": ids, "adapter": "A", "max_new_tokens": 6, "stop_token_ids": [stop],
-              "ignore_eos": True},
-             {"id": "bool", "prompt_token_ids": ids, "max_new_tokens": True}]
+    lines = [
+        {"id": "typo", "prompt_token_ids": ids, "adaptor": "A"},
+        {"id": "vllm", "prompt_token_ids": ids, "lora_name": "A"},
+        {
+            "id": "stop",
+            "prompt_token_ids": ids,
+            "adapter": "A",
+            "max_new_tokens": 6,
+            "stop_token_ids": [stop],
+            "ignore_eos": True,
+        },
+        {"id": "bool", "prompt_token_ids": ids, "max_new_tokens": True},
+    ]
     requests = tmp_path / "r.jsonl"
     requests.write_text("\n".join(json.dumps(line) for line in lines))
     out = io.StringIO()
-    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"A={tiny.adapters['A']}",
-            "--requests", str(requests)]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--lora",
+        f"A={tiny.adapters['A']}",
+        "--requests",
+        str(requests),
+    ]
     assert main(argv, stdout=out) == 0
     by_id = {r["id"]: r for r in map(json.loads, out.getvalue().splitlines())}
     assert "unknown field 'adaptor'" in by_id["typo"]["error"]
@@ -133,9 +216,20 @@ def test_request_fields_unknown_refused_stop_tokens_honoured(tiny, tmp_path, ref
 
 def test_repeated_request_id_is_an_error_line_and_the_rest_are_served(tiny, tmp_path):
     requests = tmp_path / "r.jsonl"
-    requests.write_text("\n".join(json.dumps({"id": "x", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 3}) for _ in range(2)))
+    requests.write_text(
+        "\n".join(
+            json.dumps({"id": "x", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 3})
+            for _ in range(2)
+        )
+    )
     out = io.StringIO()
-    assert main(["generate", "--model", str(tiny.base), "--device", "cpu", "--requests", str(requests)], stdout=out) == 0
+    assert (
+        main(
+            ["generate", "--model", str(tiny.base), "--device", "cpu", "--requests", str(requests)],
+            stdout=out,
+        )
+        == 0
+    )
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
     assert len(first["token_ids"]) == 3
     assert "repeats an earlier request's id" in second["error"]

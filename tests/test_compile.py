@@ -16,9 +16,14 @@ from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, node_capture_key
 
 pytestmark = pytest.mark.compile
 
-MODES = [pytest.param(("cpu", "inductor"), id="cpu-inductor"),
-         pytest.param(("cuda", "cudagraph"), id="cuda-cudagraph",
-                      marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+MODES = [
+    pytest.param(("cpu", "inductor"), id="cpu-inductor"),
+    pytest.param(
+        ("cuda", "cudagraph"),
+        id="cuda-cudagraph",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -43,22 +48,31 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
             assert graph.lora_ops == frozenset(), key
         else:
             kinds = {op.removeprefix("lora_graph.lora_").split("_")[0] for op in graph.lora_ops}
-            # the torch or triton pair, or at decode sizes the triton base linear + side-stream delta
+            # the torch or triton pair, or at decode sizes the triton base linear + side-stream
+            # delta
             assert kinds in ({"shrink", "expand"}, {"linear"}), (key, graph.lora_ops)
 
 
 def _prefill_rows(pipe, batch, adapters):
     """Eager batched prefill of rows 0..n-1 (the same on both pipelines)."""
-    order = sorted(range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i])))
+    order = sorted(
+        range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i]))
+    )
     length = max(len(p) for p in batch)
     dev = pipe.device
     tokens = torch.zeros(len(batch), length, dtype=torch.long)
     for j, i in enumerate(order):
         tokens[j, : len(batch[i])] = torch.tensor(batch[i])
-    pipe.execute(pipe.prepare([Row(adapters[i]) for i in order], tokens=tokens.to(dev),
-                              positions=torch.arange(length, device=dev).expand(len(batch), length),
-                              cache_rows=torch.tensor(order, device=dev),
-                              logits_index=torch.tensor([len(batch[i]) - 1 for i in order], device=dev), prefill=True))
+    pipe.execute(
+        pipe.prepare(
+            [Row(adapters[i]) for i in order],
+            tokens=tokens.to(dev),
+            positions=torch.arange(length, device=dev).expand(len(batch), length),
+            cache_rows=torch.tensor(order, device=dev),
+            logits_index=torch.tensor([len(batch[i]) - 1 for i in order], device=dev),
+            prefill=True,
+        )
+    )
 
 
 def _decode(pipe, adapters, tokens, positions):
@@ -71,8 +85,14 @@ def _decode(pipe, adapters, tokens, positions):
     dev = pipe.device
     tok = torch.tensor([[tokens[i] if i < n else 0] for i in order], device=dev)
     pos = torch.tensor([[positions[i] if i < n else 0] for i in order], device=dev)
-    inputs = pipe.prepare(rows, tokens=tok, positions=pos, cache_rows=torch.tensor(order, device=dev),
-                          logits_index=torch.zeros(width, dtype=torch.long, device=dev), prefill=False)
+    inputs = pipe.prepare(
+        rows,
+        tokens=tok,
+        positions=pos,
+        cache_rows=torch.tensor(order, device=dev),
+        logits_index=torch.zeros(width, dtype=torch.long, device=dev),
+        prefill=False,
+    )
     logits = pipe.execute(inputs).clone()
     out = torch.empty(n, logits.shape[-1], device=dev)
     for j, i in enumerate(order):
@@ -122,16 +142,22 @@ def test_replacing_an_adapter_changes_output_without_recompile(pair, tmp_path):
     prompt = prompts(1, seed=32, max_len=8)
     src = load_file(str(compiled.manager.adapter("A").source.weights_path))
     (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "adapter_config.json").write_text(json.dumps(compiled.manager.adapter("A").source.config))
+    (tmp_path / "x" / "adapter_config.json").write_text(
+        json.dumps(compiled.manager.adapter("A").source.config)
+    )
     results = []
     for factor in (1.0, -1.0):
-        save_file({k: (v * factor if "lora_B" in k else v).contiguous() for k, v in src.items()},
-                  str(tmp_path / "x" / "adapter_model.safetensors"))
+        save_file(
+            {k: (v * factor if "lora_B" in k else v).contiguous() for k, v in src.items()},
+            str(tmp_path / "x" / "adapter_model.safetensors"),
+        )
         for pipe in pair:
             pipe.manager.load_adapter(str(tmp_path / "x"), name="x")
             _prefill_rows(pipe, prompt, ["x"])
         got = _decode(compiled, ["x", None], [5, 6], [len(prompt[0]), 0])
-        torch.testing.assert_close(got, _decode(eager, ["x", None], [5, 6], [len(prompt[0]), 0]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            got, _decode(eager, ["x", None], [5, 6], [len(prompt[0]), 0]), rtol=1e-4, atol=1e-4
+        )
         results.append(got[0])
     assert not torch.allclose(results[0], results[1], atol=1e-3)
     assert graphs.recompiles == 0
@@ -142,7 +168,12 @@ def test_engine_through_graphs_matches_eager_engine(pair):
 
     compiled, eager = pair
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    reqs = [Request(str(i), p, a, sampling) for i, (p, a) in enumerate(zip(prompts(5, seed=33), ["A", None, "B", "C", "D"], strict=True))]
+    reqs = [
+        Request(str(i), p, a, sampling)
+        for i, (p, a) in enumerate(
+            zip(prompts(5, seed=33), ["A", None, "B", "C", "D"], strict=True)
+        )
+    ]
     got = LLMEngine(compiled).generate(reqs)
     want = LLMEngine(eager).generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -21,13 +21,25 @@ def _prefill_trace(pipe, ids, adapters):
     n = len(adapters)
     seen: dict[str, torch.Tensor] = {}
     inner = pipe.model
-    hooks = [inner.embed_tokens.register_forward_hook(lambda m, i, o: seen.__setitem__("embed", o.clone())),
-             inner.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm", o.clone()))]
+    hooks = [
+        inner.embed_tokens.register_forward_hook(
+            lambda m, i, o: seen.__setitem__("embed", o.clone())
+        ),
+        inner.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm", o.clone())),
+    ]
     try:
         rows = [Row(a) for a in adapters]
         tokens = torch.tensor([ids] * n)
-        logits = pipe.execute(pipe.prepare(rows, tokens=tokens, positions=torch.arange(len(ids)).expand(n, -1),
-                                           cache_rows=torch.arange(n), logits_index=None, prefill=True))
+        logits = pipe.execute(
+            pipe.prepare(
+                rows,
+                tokens=tokens,
+                positions=torch.arange(len(ids)).expand(n, -1),
+                cache_rows=torch.arange(n),
+                logits_index=None,
+                prefill=True,
+            )
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -39,9 +51,25 @@ def tied_adapters(tiny_factory, tmp_path_factory):
     t = tiny_factory("tied")
     root = tmp_path_factory.mktemp("tied_adapters")
     return t, {
-        "head": make_peft_adapter(t.base, root / "head", seed=71, factor=20.0, r=4, lora_alpha=8, target_modules=["lm_head"]),
-        "embed": make_peft_adapter(t.base, root / "embed", seed=72, factor=1.0, r=8, lora_alpha=8, use_rslora=True,
-                                   target_modules=["embed_tokens"]),
+        "head": make_peft_adapter(
+            t.base,
+            root / "head",
+            seed=71,
+            factor=20.0,
+            r=4,
+            lora_alpha=8,
+            target_modules=["lm_head"],
+        ),
+        "embed": make_peft_adapter(
+            t.base,
+            root / "embed",
+            seed=72,
+            factor=1.0,
+            r=8,
+            lora_alpha=8,
+            use_rslora=True,
+            target_modules=["embed_tokens"],
+        ),
     }
 
 
@@ -55,7 +83,9 @@ def test_lm_head_delta_changes_logits_only_tied(tied_adapters):
     ids = prompts(1, seed=73)[0]
     embed, norm, logits = _prefill_trace(pipe, ids, ["head", None])
     assert torch.equal(embed[0], embed[1])
-    torch.testing.assert_close(norm[0], norm[1], rtol=1e-6, atol=1e-6)  # rows of one matmul may round apart
+    torch.testing.assert_close(
+        norm[0], norm[1], rtol=1e-6, atol=1e-6
+    )  # rows of one matmul may round apart
     w = load_file(str(paths["head"] / "adapter_model.safetensors"))
     a, b = w["base_model.model.lm_head.lora_A.weight"], w["base_model.model.lm_head.lora_B.weight"]
     expected = logits[1] + norm[1] @ (2.0 * b @ a).T  # alpha 8 / r 4
@@ -91,7 +121,10 @@ def test_generation_with_embedding_and_lm_head_matches_peft(tiny_factory, refere
     engine = LLMEngine(make_pipeline(t))
     adapters = ["D", None, "A", "D", "B"]
     sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    reqs = [Request(str(i), ids, a, sampling) for i, (ids, a) in enumerate(zip(prompts(5, seed=75), adapters, strict=True))]
+    reqs = [
+        Request(str(i), ids, a, sampling)
+        for i, (ids, a) in enumerate(zip(prompts(5, seed=75), adapters, strict=True))
+    ]
     for req, out in zip(reqs, engine.generate(reqs), strict=True):
         assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8), req.adapter
 
@@ -102,9 +135,15 @@ def test_unserved_embedding_and_lm_head_targets_refuse_such_adapters(tiny):
     from lora_graph.models import LlamaPipeline
 
     full = make_pipeline(tiny, load=())
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=2, max_seq_len=16,
-                         lora=LoRAConfig(max_slots=2, max_rank=16, targets=LINEAR_TARGETS))
+    pipe = LlamaPipeline(
+        str(tiny.base),
+        max_batch_size=2,
+        max_seq_len=16,
+        lora=LoRAConfig(max_slots=2, max_rank=16, targets=LINEAR_TARGETS),
+    )
     assert pipe.manager.layout.numel < full.manager.layout.numel
-    with pytest.raises(AdapterError, match=r"module lm_head is outside the served targets \(qkv_proj.*and 1 more"):
+    with pytest.raises(
+        AdapterError, match=r"module lm_head is outside the served targets \(qkv_proj.*and 1 more"
+    ):
         pipe.manager.load_adapter(str(tiny.adapters["D"]), name="D")
     pipe.manager.load_adapter(str(tiny.adapters["A"]), name="A")  # the rest is served

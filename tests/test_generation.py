@@ -15,7 +15,11 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tiny, reference_f
     ids = prompts(1, seed=41)[0]
     hot = SamplingParams(max_new_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
     runs = [LLMEngine(pipe).generate([Request("x", ids, "A", hot)])[0].token_ids for _ in range(2)]
-    other = LLMEngine(pipe).generate([Request("x", ids, "A", SamplingParams(**{**hot.__dict__, "seed": 8}))])[0].token_ids
+    other = (
+        LLMEngine(pipe)
+        .generate([Request("x", ids, "A", SamplingParams(**{**hot.__dict__, "seed": 8}))])[0]
+        .token_ids
+    )
     assert runs[0] == runs[1]
     assert other != runs[0]
     top1 = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=1, seed=3, ignore_eos=True)
@@ -39,12 +43,17 @@ def test_stop_tokens_and_eos_end_a_request(tiny, reference_factory):
     expected = ref.greedy(ids, "B", 10)
     stop = expected[4]
     first = expected.index(stop)
-    out = LLMEngine(pipe).generate([Request("s", ids, "B", SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)))])[0]
+    out = LLMEngine(pipe).generate(
+        [Request("s", ids, "B", SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)))]
+    )[0]
     assert out.token_ids == expected[: first + 1] and out.finish_reason == "stop"
-    out = LLMEngine(pipe, eos_token_ids=(stop,)).generate([Request("e", ids, "B", SamplingParams(max_new_tokens=10))])[0]
+    out = LLMEngine(pipe, eos_token_ids=(stop,)).generate(
+        [Request("e", ids, "B", SamplingParams(max_new_tokens=10))]
+    )[0]
     assert out.token_ids == expected[: first + 1]
     out = LLMEngine(pipe, eos_token_ids=(stop,)).generate(
-        [Request("i", ids, "B", SamplingParams(max_new_tokens=10, ignore_eos=True))])[0]
+        [Request("i", ids, "B", SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    )[0]
     assert out.token_ids == expected and out.finish_reason == "length"
 
 
@@ -75,7 +84,9 @@ def test_bad_requests_get_errors_and_the_rest_are_served(tiny, reference_factory
 
 def test_generation_stops_at_the_end_of_the_kv_cache_row(tiny):
     pipe = make_pipeline(tiny, max_seq_len=16)
-    out = LLMEngine(pipe).generate([Request("x", list(range(3, 13)), "A", SamplingParams(max_new_tokens=50, ignore_eos=True))])[0]
+    out = LLMEngine(pipe).generate(
+        [Request("x", list(range(3, 13)), "A", SamplingParams(max_new_tokens=50, ignore_eos=True))]
+    )[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
 
 
@@ -115,4 +126,6 @@ def test_abort_frees_the_row_and_the_rest_run_on(tiny, reference_factory):
         engine.step()
     assert engine.finished["0"].error == "aborted" and len(engine.finished["0"].token_ids) == 2
     assert engine.finished["1"].token_ids == ref.greedy(ids[1], "A", 6)
-    assert engine.finished["2"].token_ids == ref.greedy(ids[2], "B", 6)  # B took the one slot after A's requests
+    assert engine.finished["2"].token_ids == ref.greedy(
+        ids[2], "B", 6
+    )  # B took the one slot after A's requests

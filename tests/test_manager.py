@@ -31,8 +31,15 @@ def test_routing_of_a_sorted_batch(tiny):
     assert routing.segment_offsets.tolist() == [0, 2, 3, 3]  # the same groups, counted in requests
     assert routing.segment_end.tolist() == [3]
     again = m.route([Row("B")], [0, 4])
-    assert all(a is b for a, b in zip(again, routing, strict=True))  # the same persistent buffers, refilled
-    assert again.lora_ids.tolist() == [slot_b, 0, 0] and again.grouped_offsets.tolist() == [0, 4, 4, 4]
+    assert all(
+        a is b for a, b in zip(again, routing, strict=True)
+    )  # the same persistent buffers, refilled
+    assert again.lora_ids.tolist() == [slot_b, 0, 0] and again.grouped_offsets.tolist() == [
+        0,
+        4,
+        4,
+        4,
+    ]
     with pytest.raises(ValueError, match="not sorted"):
         m.get_lora_graph_inputs([Row("A"), Row(None), Row("B")], [0, 1, 2, 3])
     with pytest.raises(ValueError, match="needs 3 entries|need 3 entries"):
@@ -78,7 +85,9 @@ def test_slot_reuse_keeps_nothing_of_previous_owner(tiny, previous):
     assert m.activate_adapter("B") == slot
     only_b = make_pipeline(tiny, max_slots=1, load=("B",))
     assert torch.equal(m.pool[slot], only_b.manager.pool[only_b.manager.activate_adapter("B")])
-    torch.testing.assert_close(run_prefill(pipe, batch, ["B", None])[0], run_prefill(only_b, batch, ["B", None])[0])
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["B", None])[0], run_prefill(only_b, batch, ["B", None])[0]
+    )
 
 
 def test_reload_with_new_weights_serves_new_weights(tiny, tmp_path):
@@ -90,7 +99,10 @@ def test_reload_with_new_weights_serves_new_weights(tiny, tmp_path):
     batch = prompts(1, seed=22)
     first = run_prefill(pipe, batch, ["x"])[0]
     tensors = load_file(str(path / "adapter_model.safetensors"))
-    save_file({k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    save_file(
+        {k: v * 2 if "lora_B" in k else v for k, v in tensors.items()},
+        str(path / "adapter_model.safetensors"),
+    )
     assert m.load_adapter(str(path), name="x") == LoRAStatus.RELOADED
     second = run_prefill(pipe, batch, ["x"])[0]
     fresh = make_pipeline(tiny, load=())
@@ -122,7 +134,10 @@ def _copy_adapter(src, dst, *, config=None, tensors=None):
     return dst
 
 
-WIDE = {"target_modules": [*ALL_LINEARS, "embed_tokens", "lm_head"]}  # a config that selects the added modules
+Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
+WIDE = {
+    "target_modules": [*ALL_LINEARS, "embed_tokens", "lm_head"]
+}  # a config that selects the added modules
 
 
 @pytest.mark.parametrize(
@@ -132,41 +147,148 @@ WIDE = {"target_modules": [*ALL_LINEARS, "embed_tokens", "lm_head"]}  # a config
         (dict(config={"bias": "all"}), "bias='all'"),
         (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
         # r that disagrees with the tensors' rank: PEFT refuses it (size mismatch); so do we
-        (dict(config={"r": 64}), r"down_proj has rank-8 tensors \(lora_A \[8, 96\]\) but adapter_config.json's r is 64"),
-        (dict(config={"rank_pattern": {"q_proj": 4}}), r"q_proj has rank-8 tensors .* rank_pattern gives 4"),
+        (
+            dict(config={"r": 64}),
+            r"down_proj has rank-8 tensors \(lora_A \[8, 96\]\) but adapter_config.json's r is 64",
+        ),
+        (
+            dict(config={"rank_pattern": {"q_proj": 4}}),
+            r"q_proj has rank-8 tensors .* rank_pattern gives 4",
+        ),
         (dict(tensors=lambda w: {"something.weight": torch.zeros(2, 2)}), "no LoRA tensors"),
-        (dict(tensors=lambda w: {k: v[:, :-1].contiguous() if "layers.0.mlp.down_proj.lora_A" in k else v for k, v in w.items()}),
-         r"layers\.0\.mlp\.down_proj .*does not fit"),
-        (dict(tensors=lambda w: {**w, "base_model.model.score.lora_A.weight": torch.zeros(8, 64),
-                                 "base_model.model.score.lora_B.weight": torch.zeros(2, 8)}), "score is outside the served targets"),
-        (dict(config=WIDE, tensors=lambda w: {**w, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 100),
-                                 "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 8)}),
-         r"embed_tokens \(A \[8, 100\].*expected A \[8, 128\].*a resized vocabulary\?\) does not fit"),
-        (dict(tensors=lambda w: {**w, "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64),
-                                 "base_model.model.model.layers.2.self_attn.q_proj.lora_B.weight": torch.zeros(64, 8)}),
-         r"layers\.2\.self_attn\.q_proj \(layer 2: the model's qkv_proj has layers 0\.\.1"),
-        (dict(config=WIDE, tensors=lambda w: {**w, "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 128),
-                                 "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(64, 8)}),
-         r"embed_tokens \(lora_A/lora_B on an embedding target\)"),
-        (dict(config=WIDE, tensors=lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
-                                 "base_model.model.lm_head.lora_B.weight": torch.zeros(130, 8)}), r"lm_head \(A .*does not fit"),
-        (dict(tensors=lambda w: {**w, "base_model.model.lm_head.base_layer.weight": torch.zeros(130, 64)}),
-         r"lm_head \(saved base weight \[130, 64\].*resized vocabulary"),
-        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.base_layer.weight": torch.randn(128, 64)}),
-         "saved base weight of embed_tokens differs from the served model's"),
-        # LoRA variants that plain LoRA would serve wrong: by config field, or by a tensor it carries
+        (
+            dict(
+                tensors=lambda w: {
+                    k: v[:, :-1].contiguous() if "layers.0.mlp.down_proj.lora_A" in k else v
+                    for k, v in w.items()
+                }
+            ),
+            r"layers\.0\.mlp\.down_proj .*does not fit",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.score.lora_A.weight": torch.zeros(8, 64),
+                    "base_model.model.score.lora_B.weight": torch.zeros(2, 8),
+                }
+            ),
+            "score is outside the served targets",
+        ),
+        (
+            dict(
+                config=WIDE,
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 100),
+                    "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 8),
+                },
+            ),
+            r"embed_tokens \(A \[8, 100\].*expected A \[8, 128\].*a resized vocabulary\?\) does "
+            r"not fit",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight": torch.zeros(
+                        8, 64
+                    ),
+                    "base_model.model.model.layers.2.self_attn.q_proj.lora_B.weight": torch.zeros(
+                        64, 8
+                    ),
+                }
+            ),
+            r"layers\.2\.self_attn\.q_proj \(layer 2: the model's qkv_proj has layers 0\.\.1",
+        ),
+        (
+            dict(
+                config=WIDE,
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 128),
+                    "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(64, 8),
+                },
+            ),
+            r"embed_tokens \(lora_A/lora_B on an embedding target\)",
+        ),
+        (
+            dict(
+                config=WIDE,
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+                    "base_model.model.lm_head.lora_B.weight": torch.zeros(130, 8),
+                },
+            ),
+            r"lm_head \(A .*does not fit",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.lm_head.base_layer.weight": torch.zeros(130, 64),
+                }
+            ),
+            r"lm_head \(saved base weight \[130, 64\].*resized vocabulary",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.embed_tokens.base_layer.weight": torch.randn(128, 64),
+                }
+            ),
+            "saved base weight of embed_tokens differs from the served model's",
+        ),
+        # LoRA variants that plain LoRA would serve wrong: by config field, or by a tensor it
+        # carries
         (dict(config={"lora_bias": True}), "lora_bias=True, a LoRA variant"),
-        (dict(config={"trainable_token_indices": [5, 6]}), "trainable_token_indices=.*LoRA variant"),
-        (dict(config={"alora_invocation_tokens": [9, 10]}), "alora_invocation_tokens=.*LoRA variant"),
+        (
+            dict(config={"trainable_token_indices": [5, 6]}),
+            "trainable_token_indices=.*LoRA variant",
+        ),
+        (
+            dict(config={"alora_invocation_tokens": [9, 10]}),
+            "alora_invocation_tokens=.*LoRA variant",
+        ),
         (dict(config={"layer_replication": [[0, 2], [1, 2]]}), "layer_replication=.*LoRA variant"),
         (dict(config={"init_lora_weights": "pissa_niter_4"}), "rewrites the base weights"),
-        (dict(tensors=lambda w: {**w, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)}),
-         r"tensor .*q_proj\.lora_B\.bias is not a LoRA A/B weight"),
-        (dict(tensors=lambda w: {**w, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.ones(64)}),
-         "lora_magnitude_vector is not a LoRA A/B weight"),
-        (dict(tensors=lambda w: {**w, "base_model.model.model.embed_tokens.weight": torch.zeros(136, 64)}),
-         r"tensor .*embed_tokens\.weight is not a LoRA A/B weight"),
-        (dict(tensors=lambda w: {k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k}), "lora_B missing"),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64),
+                }
+            ),
+            r"tensor .*q_proj\.lora_B\.bias is not a LoRA A/B weight",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    f"{Q_PROJ}.lora_magnitude_vector": torch.ones(64),
+                }
+            ),
+            "lora_magnitude_vector is not a LoRA A/B weight",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.embed_tokens.weight": torch.zeros(136, 64),
+                }
+            ),
+            r"tensor .*embed_tokens\.weight is not a LoRA A/B weight",
+        ),
+        (
+            dict(
+                tensors=lambda w: {
+                    k: v for k, v in w.items() if "layers.0.self_attn.q_proj.lora_B" not in k
+                }
+            ),
+            "lora_B missing",
+        ),
     ],
 )
 def test_bad_adapter_is_refused_with_its_cause(tiny, tmp_path, case, match):
@@ -199,10 +321,20 @@ def test_rank_above_max_rank_is_refused(tiny):
 def test_other_model_size_is_refused(tiny, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     other.save_pretrained(tmp_path / "other")
-    path = make_peft_adapter(tmp_path / "other", tmp_path / "ad", seed=1, factor=1.0, r=4, target_modules=ALL_LINEARS)
+    path = make_peft_adapter(
+        tmp_path / "other", tmp_path / "ad", seed=1, factor=1.0, r=4, target_modules=ALL_LINEARS
+    )
     pipe = make_pipeline(tiny, load=())
     with pytest.raises(AdapterError, match="does not fit the model"):
         pipe.manager.load_adapter(str(path), name="small")
@@ -278,7 +410,9 @@ def test_unload_in_flight_survives_batches_without_it(tiny, reference_factory):
     assert engine.finished["b"].token_ids == ref.greedy(ids[0], "B", 6)
     assert engine.finished["a"].token_ids == ref.greedy(ids[1], "A", 6)
     assert engine.finished["base"].token_ids == ref.greedy(ids[2], None, 6)
-    assert "B" not in engine.pipeline.manager.loras and not engine.pipeline.manager.is_active_lora("B")
+    assert "B" not in engine.pipeline.manager.loras and not engine.pipeline.manager.is_active_lora(
+        "B"
+    )
 
 
 def test_reload_in_flight_finishes_on_the_old_weights(tiny, reference_factory):
@@ -292,12 +426,16 @@ def test_reload_in_flight_finishes_on_the_old_weights(tiny, reference_factory):
     m = engine.pipeline.manager
     m.load_adapter(str(tiny.adapters["A"]), name="x")
     ids = prompts(3, seed=27)
-    engine.add_request(Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    engine.add_request(
+        Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    )
     engine.step()
     engine.step()
     assert m.load_adapter(str(tiny.adapters["C"]), name="x") == LoRAStatus.RELOADED
     assert m.loras == ["x"]  # the old version is not requestable
-    engine.add_request(Request("new", ids[1], "x", SamplingParams(max_new_tokens=4, ignore_eos=True)))
+    engine.add_request(
+        Request("new", ids[1], "x", SamplingParams(max_new_tokens=4, ignore_eos=True))
+    )
     engine.step()  # prefill "new" beside the running "old"
     engine.step()  # one decode step with both versions in the batch
     while engine.has_unfinished():
@@ -305,8 +443,12 @@ def test_reload_in_flight_finishes_on_the_old_weights(tiny, reference_factory):
     assert engine.finished["old"].token_ids == ref.greedy(ids[0], "A", 8)
     assert engine.finished["new"].token_ids == ref.greedy(ids[1], "C", 4)
     assert engine.finished["old"].adapter == engine.finished["new"].adapter == "x"
-    assert [e.name for e in m.registry.entries()] == ["x"] and not m.registry.held_keys()  # the old version is gone
-    after = engine.generate([Request("after", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))])
+    assert [e.name for e in m.registry.entries()] == [
+        "x"
+    ] and not m.registry.held_keys()  # the old version is gone
+    after = engine.generate(
+        [Request("after", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))]
+    )
     assert after[0].token_ids == ref.greedy(ids[2], "C", 3)
 
 
@@ -332,15 +474,23 @@ def test_adapter_whose_file_vanished_fails_its_requests_only(tiny, tmp_path, ref
     from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
-                         lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1))
+    pipe = LlamaPipeline(
+        str(tiny.base),
+        max_batch_size=4,
+        max_seq_len=32,
+        lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1),
+    )
     shutil.copytree(tiny.adapters["A"], tmp_path / "x")
     pipe.manager.load_adapter(str(tmp_path / "x"), name="x")
     pipe.manager.load_adapter(str(tiny.adapters["B"]), name="B")  # x's image leaves the host tier
     shutil.rmtree(tmp_path / "x")
     ids = prompts(3, seed=29)
     sampling = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    reqs = [Request("b", ids[0], "B", sampling), Request("x", ids[1], "x", sampling), Request("base", ids[2], None, sampling)]
+    reqs = [
+        Request("b", ids[0], "B", sampling),
+        Request("x", ids[1], "x", sampling),
+        Request("base", ids[2], None, sampling),
+    ]
     out = {o.id: o for o in LLMEngine(pipe).generate(reqs)}
     assert "'x'" in out["x"].error and "cannot read it back" in out["x"].error
     assert out["b"].token_ids == ref.greedy(ids[0], "B", 5)
@@ -356,15 +506,21 @@ def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, refere
     from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
-                         lora=LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=1))
+    pipe = LlamaPipeline(
+        str(tiny.base),
+        max_batch_size=4,
+        max_seq_len=32,
+        lora=LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=1),
+    )
     m = pipe.manager
     shutil.copytree(tiny.adapters["A"], tmp_path / "x")
     m.load_adapter(str(tmp_path / "x"), name="x")
     m.load_adapter(str(tiny.adapters["B"]), name="B")
     engine = LLMEngine(pipe)
     ids = prompts(3, seed=30)
-    engine.add_request(Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    engine.add_request(
+        Request("old", ids[0], "x", SamplingParams(max_new_tokens=8, ignore_eos=True))
+    )
     engine.step()
     engine.step()
     for f in ("adapter_model.safetensors", "adapter_config.json"):
@@ -373,7 +529,9 @@ def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, refere
     old_key = engine.running[0].adapter
     assert old_key.startswith("x@") and old_key in m.host
     engine.add_request(Request("b", ids[1], "B", SamplingParams(max_new_tokens=3, ignore_eos=True)))
-    engine.add_request(Request("new", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    engine.add_request(
+        Request("new", ids[2], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))
+    )
     while engine.has_unfinished():
         engine.step()
     assert engine.finished["old"].token_ids == ref.greedy(ids[0], "A", 8)
@@ -392,12 +550,16 @@ def test_reloading_back_and_forth_in_flight(tiny, reference_factory):
     a, b = str(tiny.adapters["A"]), str(tiny.adapters["B"])
     ids = prompts(2, seed=31)
     m.load_adapter(a, name="x")
-    engine.add_request(Request("r0", ids[0], "x", SamplingParams(max_new_tokens=12, ignore_eos=True)))
+    engine.add_request(
+        Request("r0", ids[0], "x", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    )
     engine.step()
     engine.step()
     m.load_adapter(b, name="x")
     m.load_adapter(a, name="x")
-    engine.add_request(Request("r2", ids[1], "x", SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    engine.add_request(
+        Request("r2", ids[1], "x", SamplingParams(max_new_tokens=3, ignore_eos=True))
+    )
     engine.step()
     engine.step()
     m.load_adapter(b, name="x")
@@ -405,7 +567,11 @@ def test_reloading_back_and_forth_in_flight(tiny, reference_factory):
         engine.step()
     assert engine.finished["r0"].token_ids == ref.greedy(ids[0], "A", 12)
     assert engine.finished["r2"].token_ids == ref.greedy(ids[1], "A", 3)
-    assert [e.name for e in m.registry.entries()] == ["x"] and not m.registry.held_keys() and m.loras == ["x"]
+    assert (
+        [e.name for e in m.registry.entries()] == ["x"]
+        and not m.registry.held_keys()
+        and m.loras == ["x"]
+    )
     assert all(owner is None or owner == "x" for owner in m.slot_owners)
 
 
@@ -417,7 +583,9 @@ def test_pin_that_would_strand_requests_in_flight_is_refused(tiny, reference_fac
     from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16))
+    pipe = LlamaPipeline(
+        str(tiny.base), max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16)
+    )
     m = pipe.manager
     for name in ("A", "B"):
         m.load_adapter(str(tiny.adapters[name]), name=name)
@@ -445,8 +613,12 @@ def test_replaced_version_is_copied_back_from_its_slot(tiny, tmp_path):
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=32,
-                         lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1))
+    pipe = LlamaPipeline(
+        str(tiny.base),
+        max_batch_size=4,
+        max_seq_len=32,
+        lora=LoRAConfig(max_slots=1, max_rank=16, cpu_capacity=1),
+    )
     m = pipe.manager
     shutil.copytree(tiny.adapters["A"], tmp_path / "x")
     m.load_adapter(str(tmp_path / "x"), name="x")
@@ -490,16 +662,22 @@ def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatc
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
-    pipe = LlamaPipeline("org/tiny-base", max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16))
+    pipe = LlamaPipeline(
+        "org/tiny-base", max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16)
+    )
     pipe.manager.load_adapter("org/tiny-lora", name="B")
     local = make_pipeline(tiny, load=("B",))
     batch = prompts(1, seed=26)
-    torch.testing.assert_close(run_prefill(pipe, batch, ["B"])[0], run_prefill(local, batch, ["B"])[0])
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["B"])[0], run_prefill(local, batch, ["B"])[0]
+    )
     with pytest.raises(AdapterError, match="org/missing"):
         pipe.manager.load_adapter("org/missing", name="m")
 
 
-@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}"])
+@pytest.mark.parametrize(
+    "content", [b"", b"not a safetensors file at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}"]
+)
 def test_corrupt_weights_file_is_refused(tiny, tmp_path, content):
     bad = tmp_path / "corrupt"
     bad.mkdir()

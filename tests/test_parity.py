@@ -14,7 +14,9 @@ MIX = ["A", None, "B", "A", None, "C", "D"]
 
 def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
     """All-position logits of one batched prefill; row i of the result is request i."""
-    order = sorted(range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i])))
+    order = sorted(
+        range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i]))
+    )
     rows = [Row(adapters[i]) for i in order]
     length = max(len(p) for p in batch)
     tokens = torch.zeros(len(batch), length, dtype=torch.long)
@@ -22,8 +24,14 @@ def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> lis
         tokens[j, : len(batch[i])] = torch.tensor(batch[i])
     dev = pipe.device
     positions = torch.arange(length).expand(len(batch), length)
-    inputs = pipe.prepare(rows, tokens=tokens.to(dev), positions=positions.to(dev), cache_rows=torch.arange(len(batch), device=dev),
-                          logits_index=None, prefill=True)
+    inputs = pipe.prepare(
+        rows,
+        tokens=tokens.to(dev),
+        positions=positions.to(dev),
+        cache_rows=torch.arange(len(batch), device=dev),
+        logits_index=None,
+        prefill=True,
+    )
     logits = pipe.execute(inputs)
     out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
     for j, i in enumerate(order):
@@ -40,7 +48,9 @@ def test_mixed_batch_logits_match_peft(kind, tiny_factory, reference_factory):
     got = run_prefill(pipe, batch, MIX)
     for ids, adapter, logits in zip(batch, MIX, got, strict=True):
         expected = ref.logits(ids, adapter)
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"{kind} adapter={adapter}")
+        torch.testing.assert_close(
+            logits, expected, rtol=1e-4, atol=1e-4, msg=f"{kind} adapter={adapter}"
+        )
     # the adapters really change the output: a missing delta would not pass the above
     base0 = ref.logits(batch[0], None)
     assert (got[0] - base0).abs().max() > 0.1
@@ -86,7 +96,9 @@ def test_base_only_batch_calls_no_lora_op(tiny):
     with OpCounter() as mixed:
         run_prefill(pipe, batch, ["A", None, None])
     assert not any("lora_graph" in n for n in base_only.names)
-    assert sum("lora_graph.lora_shrink" in n for n in mixed.names) == 4 * 2 + 1  # 4 targets x 2 layers, LM head
+    assert (
+        sum("lora_graph.lora_shrink" in n for n in mixed.names) == 4 * 2 + 1
+    )  # 4 targets x 2 layers, LM head
     assert sum("lora_graph.lora_embedding_shrink" in n for n in mixed.names) == 1
 
 
@@ -98,11 +110,15 @@ def test_greedy_generation_matches_peft(kind, tiny_factory, reference_factory):
     engine = LLMEngine(pipe)
     batch = prompts(len(MIX), seed=5)
     sampling = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    requests = [Request(str(i), ids, a, sampling) for i, (ids, a) in enumerate(zip(batch, MIX, strict=True))]
+    requests = [
+        Request(str(i), ids, a, sampling) for i, (ids, a) in enumerate(zip(batch, MIX, strict=True))
+    ]
     outputs = engine.generate(requests)
     for req, out in zip(requests, outputs, strict=True):
         assert out.error is None
-        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 16), f"{kind} adapter={req.adapter}"
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 16), (
+            f"{kind} adapter={req.adapter}"
+        )
 
 
 def test_requests_joining_mid_decode_match_peft(tiny, reference_factory):
@@ -113,12 +129,16 @@ def test_requests_joining_mid_decode_match_peft(tiny, reference_factory):
     batch = prompts(6, seed=6)
     lengths = [4, 12, 6, 9, 3, 10]
     adapters = ["B", None, "A", "C", "A", None]
-    requests = [Request(str(i), ids, a, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                for i, (ids, a, n) in enumerate(zip(batch, adapters, lengths, strict=True))]
+    requests = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for i, (ids, a, n) in enumerate(zip(batch, adapters, lengths, strict=True))
+    ]
     outputs = engine.generate(requests)
     assert engine.steps["prefill"] > 1
     for req, out in zip(requests, outputs, strict=True):
-        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, req.sampling.max_new_tokens)
+        assert out.token_ids == ref.greedy(
+            req.prompt_token_ids, req.adapter, req.sampling.max_new_tokens
+        )
 
 
 def test_fewer_slots_than_adapters_serves_everyone(tiny, reference_factory):
@@ -127,8 +147,10 @@ def test_fewer_slots_than_adapters_serves_everyone(tiny, reference_factory):
     engine = LLMEngine(pipe)
     batch = prompts(6, seed=7)
     adapters = ["A", "B", "C", None, "B", "A"]
-    requests = [Request(str(i), ids, a, SamplingParams(max_new_tokens=8, ignore_eos=True))
-                for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))]
+    requests = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))
+    ]
     outputs = engine.generate(requests)
     for req, out in zip(requests, outputs, strict=True):
         assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8)
@@ -139,7 +161,9 @@ def test_steady_state_decode_copies_no_adapter_weights(tiny):
     pipe = make_pipeline(tiny)
     engine = LLMEngine(pipe)
     for i, (ids, a) in enumerate(zip(prompts(4, seed=8), ["A", "B", None, "C"], strict=True)):
-        engine.add_request(Request(str(i), ids, a, SamplingParams(max_new_tokens=10, ignore_eos=True)))
+        engine.add_request(
+            Request(str(i), ids, a, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        )
     engine.step()  # prefill: the adapters are copied into slots once
     loads = pipe.manager.slot_loads
     pool_ptr = pipe.manager.pool.data_ptr()
@@ -167,9 +191,17 @@ def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype):
     configs = [(None, True)] if dtype == torch.float32 else [(None, False), (torch.float32, True)]
     batch = prompts(len(MIX), seed=9)
     for slot_dtype, autocast in configs:
-        same_dtype = PeftReference(tiny, dtype=dtype, device="cuda", autocast_adapter_dtype=autocast)
-        pipe = LlamaPipeline(str(tiny.base), dtype=dtype, device="cuda", max_batch_size=8, max_seq_len=64,
-                             lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend, dtype=slot_dtype))
+        same_dtype = PeftReference(
+            tiny, dtype=dtype, device="cuda", autocast_adapter_dtype=autocast
+        )
+        pipe = LlamaPipeline(
+            str(tiny.base),
+            dtype=dtype,
+            device="cuda",
+            max_batch_size=8,
+            max_seq_len=64,
+            lora=LoRAConfig(max_slots=4, max_rank=16, backend=backend, dtype=slot_dtype),
+        )
         for name, path in tiny.adapters.items():
             pipe.manager.load_adapter(str(path), name=name)
         for ids, adapter, logits in zip(batch, MIX, run_prefill(pipe, batch, MIX), strict=True):

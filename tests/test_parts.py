@@ -26,7 +26,11 @@ def test_group_batch_and_buffer():
     assert groups == ([1, 3], [0, 5, 9], [0, 2, 3])
     buf = RoutingBuffer(3, torch.device("cpu"))
     r = buf.fill(*groups)
-    assert r.lora_ids.tolist() == [1, 3, 0] and r.grouped_offsets.tolist() == [0, 5, 9, 9] and r.end.tolist() == [9]
+    assert (
+        r.lora_ids.tolist() == [1, 3, 0]
+        and r.grouped_offsets.tolist() == [0, 5, 9, 9]
+        and r.end.tolist() == [9]
+    )
     assert r.segment_offsets.tolist() == [0, 2, 3, 3] and r.segment_end.tolist() == [3]
     # the documented row rule: rows 0..4 slot 1, 5..8 slot 3, the base row after end
     assert row_slots(10, *r.tokens).tolist() == [1] * 5 + [3] * 4 + [-1]
@@ -81,7 +85,10 @@ def test_slot_pool_lru_protection_and_rename():
     sa = pool.activate("a", lambda: img["a"], protected=never, prefer=never)
     sb = pool.activate("b", lambda: img["b"], protected=never, prefer=never)
     assert {sa, sb} == {1, 2} and pool.loads == 2 and torch.equal(pool.pool[0], torch.zeros(4))
-    assert pool.activate("a", lambda: img["a"], protected=never, prefer=never) == sa and pool.loads == 2
+    assert (
+        pool.activate("a", lambda: img["a"], protected=never, prefer=never) == sa
+        and pool.loads == 2
+    )
     # full: b is least recently used, but protected; a goes
     sc = pool.activate("c", lambda: img["c"], protected=lambda k: k == "b", prefer=never)
     assert sc == sa and pool.owners == [None, *(("c", "b") if sa == 1 else ("b", "c"))]
@@ -98,7 +105,9 @@ def test_weight_adapter_moves_wrapped_weights_under_base():
     adapter = lora_weight_adapter(lambda sd: sd, {"layers.0.qkv_proj"})
     out = adapter({"layers.0.qkv_proj.weight": torch.zeros(1), "norm.weight": torch.zeros(1)})
     assert set(out) == {"layers.0.qkv_proj.base.weight", "norm.weight"}
-    prefixed = lora_weight_adapter(lambda sd: sd, set(), wrapper_prefix="model")({"norm.weight": torch.zeros(1)})
+    prefixed = lora_weight_adapter(lambda sd: sd, set(), wrapper_prefix="model")(
+        {"norm.weight": torch.zeros(1)}
+    )
     assert set(prefixed) == {"model.norm.weight"}
 
 
@@ -106,7 +115,10 @@ def test_wrapped_model_holds_views_of_the_pool(tiny):
     pipe = make_pipeline(tiny, load=("A",))
     m = pipe.manager
     layer = m.layers[("qkv_proj", 1)]
-    assert isinstance(pipe.model.layers[1].self_attn.qkv_proj, nn.Module) and pipe.model.layers[1].self_attn.qkv_proj is layer
+    assert (
+        isinstance(pipe.model.layers[1].self_attn.qkv_proj, nn.Module)
+        and pipe.model.layers[1].self_attn.qkv_proj is layer
+    )
     assert layer.a.shape == (5, 3 * 16, 64) and layer.b.shape == (5, 64 + 32 + 32, 16)
     assert layer.a.untyped_storage().data_ptr() == m.pool.untyped_storage().data_ptr()
     slot = m.activate_adapter("A")
@@ -118,14 +130,28 @@ def test_configured_adapters_load_at_start_up(tiny):
     from lora_graph.models import LlamaPipeline
 
     digest = make_pipeline(tiny, load=("A",)).manager.adapter("A").digest
-    pipe = LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=64,
-                         lora=LoRAConfig(adapters={"A": str(tiny.adapters["A"]), "B": str(tiny.adapters["B"])},
-                                         adapter_digests={"A": digest}))
+    pipe = LlamaPipeline(
+        str(tiny.base),
+        max_batch_size=4,
+        max_seq_len=64,
+        lora=LoRAConfig(
+            adapters={"A": str(tiny.adapters["A"]), "B": str(tiny.adapters["B"])},
+            adapter_digests={"A": digest},
+        ),
+    )
     assert pipe.manager.loras == ["A", "B"]
     want = run_prefill(make_pipeline(tiny), prompts(2, seed=71), ["A", "B"])
     got = run_prefill(pipe, prompts(2, seed=71), ["A", "B"])
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    with pytest.raises(AdapterError, match="'A': weights digest .* does not match the expected 000000"):
-        LlamaPipeline(str(tiny.base), max_batch_size=4, max_seq_len=64,
-                      lora=LoRAConfig(adapters={"A": str(tiny.adapters["A"])}, adapter_digests={"A": "0" * 64}))
+    with pytest.raises(
+        AdapterError, match="'A': weights digest .* does not match the expected 000000"
+    ):
+        LlamaPipeline(
+            str(tiny.base),
+            max_batch_size=4,
+            max_seq_len=64,
+            lora=LoRAConfig(
+                adapters={"A": str(tiny.adapters["A"])}, adapter_digests={"A": "0" * 64}
+            ),
+        )

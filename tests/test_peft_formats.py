@@ -13,27 +13,46 @@ from test_parity import run_prefill
 CASES = {
     "regex_targets": dict(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|down_proj)"),
     "all_linear": dict(r=4, lora_alpha=4, target_modules="all-linear"),
-    "rank_alpha_pattern": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                               rank_pattern={"v_proj": 8, "layers.1.mlp.up_proj": 2}, alpha_pattern={"q_proj": 32}),
-    "layers_to_transform": dict(r=8, lora_alpha=16, target_modules=["k_proj", "gate_proj"], layers_to_transform=[1],
-                                layers_pattern="layers"),
-    "rslora_rank_pattern": dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"],
-                                rank_pattern={"o_proj": 2}),
+    "rank_alpha_pattern": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        rank_pattern={"v_proj": 8, "layers.1.mlp.up_proj": 2},
+        alpha_pattern={"q_proj": 32},
+    ),
+    "layers_to_transform": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["k_proj", "gate_proj"],
+        layers_to_transform=[1],
+        layers_pattern="layers",
+    ),
+    "rslora_rank_pattern": dict(
+        r=8,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["o_proj", "up_proj"],
+        rank_pattern={"o_proj": 2},
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def feature_adapters(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("features")
-    return {name: make_peft_adapter(tiny.base, root / name, seed=100 + i, factor=30.0, **kw)
-            for i, (name, kw) in enumerate(CASES.items())}
+    return {
+        name: make_peft_adapter(tiny.base, root / name, seed=100 + i, factor=30.0, **kw)
+        for i, (name, kw) in enumerate(CASES.items())
+    }
 
 
 def _peft_logits(base_dir, adapter_dir, batch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir
+    ).eval()
     with torch.no_grad():
         return [model(torch.tensor([ids])).logits[0] for ids in batch]
 
@@ -46,7 +65,9 @@ def test_peft_feature_matches_peft(tiny, feature_adapters, case):
     got = run_prefill(pipe, batch, [case, None])
     want = _peft_logits(tiny.base, feature_adapters[case], batch[:1])
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(got[0], run_prefill(pipe, batch[:1], [None])[0], atol=1e-2)  # the adapter acts
+    assert not torch.allclose(
+        got[0], run_prefill(pipe, batch[:1], [None])[0], atol=1e-2
+    )  # the adapter acts
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -55,15 +76,23 @@ def test_half_precision_weights_and_adapter_name_infix(tiny, tmp_path, dtype):
     (``lora_A.default.weight``) and without the ``base_model.model.`` prefix."""
     src = tiny.adapters["A"]
     weights = load_file(str(src / "adapter_model.safetensors"))
-    renamed = {k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v.to(dtype) for k, v in weights.items()}
+    renamed = {
+        k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v.to(dtype)
+        for k, v in weights.items()
+    }
     out = tmp_path / "renamed"
     out.mkdir()
     save_file(renamed, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
     cast = tmp_path / "cast"
     cast.mkdir()
-    save_file({k: v.to(dtype).float() for k, v in weights.items()}, str(cast / "adapter_model.safetensors"))
-    (cast / "adapter_config.json").write_text(json.dumps(json.loads((src / "adapter_config.json").read_text())))
+    save_file(
+        {k: v.to(dtype).float() for k, v in weights.items()},
+        str(cast / "adapter_model.safetensors"),
+    )
+    (cast / "adapter_config.json").write_text(
+        json.dumps(json.loads((src / "adapter_config.json").read_text()))
+    )
     pipe = make_pipeline(tiny, load=())
     pipe.manager.load_adapter(str(out), name="renamed")
     pipe.manager.load_adapter(str(cast), name="cast")
@@ -80,12 +109,18 @@ def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
     cfg = json.loads((src / "adapter_config.json").read_text())
     del cfg["lora_alpha"]
     (out / "adapter_config.json").write_text(json.dumps(cfg))
-    (out / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    (out / "adapter_model.safetensors").write_bytes(
+        (src / "adapter_model.safetensors").read_bytes()
+    )
     pipe = make_pipeline(tiny, load=())
     pipe.manager.load_adapter(str(out), name="no_alpha")
     batch = prompts(1, seed=52)
-    torch.testing.assert_close(run_prefill(pipe, batch, ["no_alpha"])[0], _peft_logits(tiny.base, out, batch)[0],
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["no_alpha"])[0],
+        _peft_logits(tiny.base, out, batch)[0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_peft_trainable_tokens_adapter_is_refused(tiny, tmp_path):
@@ -93,8 +128,16 @@ def test_peft_trainable_tokens_adapter_is_refused(tiny, tmp_path):
     that plain LoRA does not: refused, never served without them."""
     from lora_graph import AdapterError
 
-    path = make_peft_adapter(tiny.base, tmp_path / "tokens", seed=53, factor=1.0, r=4, lora_alpha=8,
-                             target_modules=["q_proj"], trainable_token_indices=[5, 6, 7])
+    path = make_peft_adapter(
+        tiny.base,
+        tmp_path / "tokens",
+        seed=53,
+        factor=1.0,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        trainable_token_indices=[5, 6, 7],
+    )
     pipe = make_pipeline(tiny, load=())
     with pytest.raises(AdapterError, match="trainable_token_indices|token_adapter"):
         pipe.manager.check_adapter(str(path), name="tokens")

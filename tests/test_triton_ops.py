@@ -30,7 +30,9 @@ import sys
 import pytest
 import torch
 
-_INTERP_SET_HERE = not torch.cuda.is_available() and "lora_graph.kernels.triton_kernels" not in sys.modules
+_INTERP_SET_HERE = (
+    not torch.cuda.is_available() and "lora_graph.kernels.triton_kernels" not in sys.modules
+)
 _PREV_INTERP = os.environ.get("TRITON_INTERPRET")
 if _INTERP_SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -52,10 +54,15 @@ from lora_graph.layout import SlotLayout  # noqa: E402
 from lora_graph.targets import LoraTarget  # noqa: E402
 
 INTERPRETED = T.interpreted()
-interp = pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels are compiled in this process; "
-                            "test_interpreter_suite_in_subprocess runs these under the interpreter")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
-                               reason="needs CUDA and compiled (not interpreted) kernels")
+interp = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="the Triton kernels are compiled in this process; "
+    "test_interpreter_suite_in_subprocess runs these under the interpreter",
+)
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRETED,
+    reason="needs CUDA and compiled (not interpreted) kernels",
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -68,8 +75,16 @@ class Pool:
     :class:`SlotLayout` offsets; slot ``s`` in ``ranks`` holds a rank-``ranks[s]`` adapter
     (zeros beyond its rank), every other slot is zero."""
 
-    def __init__(self, targets: dict[str, LoraTarget], ranks: dict[int, int], max_rank: int, num_slots: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self,
+        targets: dict[str, LoraTarget],
+        ranks: dict[int, int],
+        max_rank: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+    ) -> None:
         self.targets, self.max_rank = targets, max_rank
         self.layout = SlotLayout(targets, 1, max_rank)
         self.pool = torch.zeros(num_slots, self.layout.numel, dtype=dtype, device=device)
@@ -83,18 +98,23 @@ class Pool:
             for name, t in self.targets.items():
                 a = self.layout.a_view(self.slots[slot], name, 0)
                 b = self.layout.b_view(self.slots[slot], name, 0)
-                a[:, :r] = torch.randn(t.num_slices, r, t.in_features, generator=g) / t.in_features ** 0.5
-                b[:, :r] = torch.randn(t.out_features, r, generator=g) / r ** 0.5
+                a[:, :r] = (
+                    torch.randn(t.num_slices, r, t.in_features, generator=g) / t.in_features**0.5
+                )
+                b[:, :r] = torch.randn(t.out_features, r, generator=g) / r**0.5
 
     def offsets(self, name: str) -> tuple[int, int]:
         return self.layout.blocks[(name, 0)]
 
     def stacks(self, name: str):
-        """``(a [num_slots, S * R, in], b [num_slots, out, R])``: a LoRA layer's views of the pool."""
+        """``(a [num_slots, S * R, in], b [num_slots, out, R])``: a LoRA layer's views of the
+        pool."""
         t = self.targets[name]
         a_off, b_off = self.offsets(name)
-        return (slot_stack(self.pool, a_off, (t.num_slices * self.max_rank, t.in_features)),
-                slot_stack(self.pool, b_off, (t.out_features, self.max_rank)))
+        return (
+            slot_stack(self.pool, a_off, (t.num_slices * self.max_rank, t.in_features)),
+            slot_stack(self.pool, b_off, (t.out_features, self.max_rank)),
+        )
 
 
 def make_routing(groups: list[tuple[int, int]], device="cpu", pad_to: int = 0):
@@ -138,7 +158,7 @@ def reference64(pool: Pool, name: str, x, y0, routing):
         h[:, rows] = hs
         col = 0
         for s, w in enumerate(t.out_slices):
-            y[rows, col:col + w] += hs[s] @ b[col:col + w].T
+            y[rows, col : col + w] += hs[s] @ b[col : col + w].T
             col += w
     return h, y, slot_of
 
@@ -161,7 +181,9 @@ def run_reference_ops(pool: Pool, name: str, x, y0, routing):
     return h, y
 
 
-def poisoned_y(n: int, out: int, slot_of, dtype, device="cpu", seed: int = 1, sentinel: float = -1234.5):
+def poisoned_y(
+    n: int, out: int, slot_of, dtype, device="cpu", seed: int = 1, sentinel: float = -1234.5
+):
     """A base output: random on rows that get a delta, ``sentinel`` on the others."""
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(n, out, generator=g).to(device=device, dtype=dtype)
@@ -175,7 +197,9 @@ def rel_err(got, ref) -> float:
     return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check(pool: Pool, name: str, x, routing, *, rtol_h: float, rtol_y: float, against_ops: bool = True):
+def check(
+    pool: Pool, name: str, x, routing, *, rtol_h: float, rtol_y: float, against_ops: bool = True
+):
     """Run the Triton ops and compare with float64 (and the torch reference ops)."""
     t = pool.targets[name]
     n = x.shape[0]
@@ -216,7 +240,10 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 4e-3), torch.bfloat16:
 
 @pytest.fixture(scope="module")
 def pools():
-    return {dt: Pool(TARGETS, RANKS, MAX_RANK, NUM_SLOTS, dt) for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    return {
+        dt: Pool(TARGETS, RANKS, MAX_RANK, NUM_SLOTS, dt)
+        for dt in (torch.float32, torch.float16, torch.bfloat16)
+    }
 
 
 def mixed_groups(n_lora: int) -> list[tuple[int, int]]:
@@ -249,7 +276,7 @@ def test_strided_activations_and_output(pools):
     x = torch.randn(n, 2 * t.in_features, generator=g)[:, ::2]
     ybig = torch.randn(n, out + 8, generator=g)
     ybig[5] = -1234.5
-    y = ybig[:, 4:4 + out]  # row stride out + 8
+    y = ybig[:, 4 : 4 + out]  # row stride out + 8
     before = ybig.clone()
     h64, y64, _ = reference64(pool, "qkv", x, y, routing)
     a, b = pool.stacks("qkv")
@@ -259,23 +286,39 @@ def test_strided_activations_and_output(pools):
     h_strided.copy_(h)
     T.expand_(y, h_strided, b, list(t.out_slices), *routing)
     torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
-    assert torch.equal(ybig[:, :4], before[:, :4]) and torch.equal(ybig[:, 4 + out:], before[:, 4 + out:])
+    assert torch.equal(ybig[:, :4], before[:, :4]) and torch.equal(
+        ybig[:, 4 + out :], before[:, 4 + out :]
+    )
     assert torch.equal(ybig[5], before[5])
 
 
 @interp
-@pytest.mark.parametrize("shrink_cfg, expand_cfg", [
-    # broadcast paths; K splits with atomics; slices not multiples of BLOCK_N; 5 programs
-    # looping over all work items
-    (C.ShrinkConfig(block_m=2, block_n=16, block_k=16, split_k=3, k_per_split=32, max_programs=5),
-     C.ExpandConfig(block_m=2, block_n=16, block_r=16, max_programs=3)),
-    # dot paths; 3 K steps per split; several row tiles per group; one program per item
-    (C.ShrinkConfig(block_m=16, block_n=16, block_k=16, split_k=2, k_per_split=48),
-     C.ExpandConfig(block_m=16, block_n=32, block_r=16)),
-    # no split (plain stores); a single program does every item
-    (C.ShrinkConfig(block_m=16, block_n=32, block_k=32, split_k=1, k_per_split=96, max_programs=1),
-     C.ExpandConfig(block_m=4, block_n=16, block_r=16, max_programs=1)),
-], ids=["bcast-split3-loop", "dot-split2", "dot-nosplit-1prog"])
+@pytest.mark.parametrize(
+    "shrink_cfg, expand_cfg",
+    [
+        # broadcast paths; K splits with atomics; slices not multiples of BLOCK_N; 5 programs
+        # looping over all work items
+        (
+            C.ShrinkConfig(
+                block_m=2, block_n=16, block_k=16, split_k=3, k_per_split=32, max_programs=5
+            ),
+            C.ExpandConfig(block_m=2, block_n=16, block_r=16, max_programs=3),
+        ),
+        # dot paths; 3 K steps per split; several row tiles per group; one program per item
+        (
+            C.ShrinkConfig(block_m=16, block_n=16, block_k=16, split_k=2, k_per_split=48),
+            C.ExpandConfig(block_m=16, block_n=32, block_r=16),
+        ),
+        # no split (plain stores); a single program does every item
+        (
+            C.ShrinkConfig(
+                block_m=16, block_n=32, block_k=32, split_k=1, k_per_split=96, max_programs=1
+            ),
+            C.ExpandConfig(block_m=4, block_n=16, block_r=16, max_programs=1),
+        ),
+    ],
+    ids=["bcast-split3-loop", "dot-split2", "dot-nosplit-1prog"],
+)
 def test_forced_configs(pools, shrink_cfg, expand_cfg):
     """Row blocks inside long groups, several column blocks, K splits with atomics,
     K tails, slice boundaries inside the column-block sequence."""
@@ -292,8 +335,16 @@ def test_forced_configs(pools, shrink_cfg, expand_cfg):
     y0 = poisoned_y(n, t.out_features, slot_of, torch.float32)
     h64, y64, _ = reference64(pool, name, x, y0, routing)
     a, b = pool.stacks(name)
-    cfg = C._finish_shrink(t_in, shrink_cfg.block_m, shrink_cfg.block_n, shrink_cfg.block_k, shrink_cfg.split_k, 4, 1,
-                           shrink_cfg.max_programs)
+    cfg = C._finish_shrink(
+        t_in,
+        shrink_cfg.block_m,
+        shrink_cfg.block_n,
+        shrink_cfg.block_k,
+        shrink_cfg.split_k,
+        4,
+        1,
+        shrink_cfg.max_programs,
+    )
     assert cfg == C.ShrinkConfig(**{**shrink_cfg.__dict__, "num_stages": 1})
     h = torch.zeros(t.num_slices, n, MAX_RANK)
     T.launch_shrink(x, a, h, *routing, MAX_RANK, config=cfg)
@@ -312,13 +363,19 @@ def test_routing_edge_cases(pools):
         "all base (end = 0)": make_routing([], pad_to=3),
         "one group, all rows": make_routing([(4, 5)], pad_to=1),
         "more groups than rows": make_routing([(1, 1), (2, 1), (3, 1), (4, 1), (1, 1)], pad_to=9),
-        "slot 0 and an unknown slot in the middle": make_routing([(1, 1), (0, 2), (NUM_SLOTS + 3, 1), (2, 1)], pad_to=5),
+        "slot 0 and an unknown slot in the middle": make_routing(
+            [(1, 1), (0, 2), (NUM_SLOTS + 3, 1), (2, 1)], pad_to=5
+        ),
         "a free (all-zero) slot": make_routing([(5, 3), (1, 2)], pad_to=2),
     }
     # not what the manager builds, but the reference defines it: rows before grouped_offsets[0]
     # belong to group 0, rows in [grouped_offsets[G], end) to group G - 1
     ids, offs, _ = make_routing([(2, 2), (3, 1)], pad_to=2)
-    cases["offsets[0] > 0, end past offsets[G]"] = (ids, offs + 1, torch.tensor([5], dtype=torch.int32))
+    cases["offsets[0] > 0, end past offsets[G]"] = (
+        ids,
+        offs + 1,
+        torch.tensor([5], dtype=torch.int32),
+    )
     for what, routing in cases.items():
         check(pool, "qkv", x, routing, rtol_h=1e-5, rtol_y=1e-5)
         if what == "all base (end = 0)":
@@ -360,13 +417,20 @@ def test_fake_registration_and_compile(pools):
         froute = [mode.from_tensor(r) for r in routing]
         fh = torch.ops.lora_graph.lora_shrink(fx, fa, 3, *froute)
         assert fh.shape == (3, 5, MAX_RANK) and fh.dtype == torch.float32
-        fy, fbuf = torch.ops.lora_graph.lora_linear_delta(fx, torch.empty(88, 64), None, fa, fb, 3, list(t.out_slices),
-                                                           *froute)
-        assert fy.shape == (5, 88) and fbuf.shape == (5 * 88 + 3 * 5 * MAX_RANK,) and fbuf.dtype == torch.float32
+        fy, fbuf = torch.ops.lora_graph.lora_linear_delta(
+            fx, torch.empty(88, 64), None, fa, fb, 3, list(t.out_slices), *froute
+        )
+        assert (
+            fy.shape == (5, 88)
+            and fbuf.shape == (5 * 88 + 3 * 5 * MAX_RANK,)
+            and fbuf.dtype == torch.float32
+        )
 
     def step(x, y, a, b, lora_ids, grouped_offsets, end):
         h = torch.ops.lora_graph.lora_shrink(x, a, t.num_slices, lora_ids, grouped_offsets, end)
-        torch.ops.lora_graph.lora_expand_(y, h, b, list(t.out_slices), lora_ids, grouped_offsets, end)
+        torch.ops.lora_graph.lora_expand_(
+            y, h, b, list(t.out_slices), lora_ids, grouped_offsets, end
+        )
         return y
 
     y0 = torch.randn(5, t.out_features)
@@ -379,8 +443,10 @@ def test_fake_registration_and_compile(pools):
 
 
 @interp
-@pytest.mark.parametrize("dtype, slot_dtype, max_len", [(torch.float32, None, 8), (torch.float32, None, 16),
-                                                        (torch.bfloat16, torch.float32, 8)])
+@pytest.mark.parametrize(
+    "dtype, slot_dtype, max_len",
+    [(torch.float32, None, 8), (torch.float32, None, 16), (torch.bfloat16, torch.float32, 8)],
+)
 def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtype, max_len):
     """The whole model on the Triton backend (interpreted) against the torch reference ops,
     on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
@@ -396,8 +462,13 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     from lora_graph.models import LlamaPipeline
 
     t = tiny_factory("tied")
-    pipe = LlamaPipeline(str(t.base), dtype=dtype, max_batch_size=8, max_seq_len=64,
-                         lora=LoRAConfig(max_slots=4, max_rank=16, backend="triton", dtype=slot_dtype))
+    pipe = LlamaPipeline(
+        str(t.base),
+        dtype=dtype,
+        max_batch_size=8,
+        max_seq_len=64,
+        lora=LoRAConfig(max_slots=4, max_rank=16, backend="triton", dtype=slot_dtype),
+    )
     for name, path in t.adapters.items():
         pipe.manager.load_adapter(str(path), name=name)
     kernels = pipe.manager.kernels
@@ -413,12 +484,16 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
-    assert forks == (9 if len(MIX) * max_len <= ops.DELTA_MAX_ROWS else 0)  # 4 targets x 2 layers + LM head
+    assert forks == (
+        9 if len(MIX) * max_len <= ops.DELTA_MAX_ROWS else 0
+    )  # 4 targets x 2 layers + LM head
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
     for adapter, g, w, f in zip(MIX, got, want, truth, strict=True):
         if dtype == torch.float32:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, a=adapter: f"{a}: {m}")
+            torch.testing.assert_close(
+                g, w, rtol=1e-4, atol=1e-4, msg=lambda m, a=adapter: f"{a}: {m}"
+            )
         else:  # bfloat16: as far from float32 as the torch backend is, give or take rounding order
             err, err_torch = (float((x.float() - f).norm() / f.norm()) for x in (g, w))
             assert err <= 1.5 * err_torch + 2e-3, (adapter, err, err_torch)
@@ -429,9 +504,27 @@ def test_interpreter_suite_in_subprocess():
     if INTERPRETED:
         pytest.skip("the interpreter tests ran in this process")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
-                           "-m", "not gpu", "-k", "not subprocess and not without_triton", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not gpu",
+            "-k",
+            "not subprocess and not without_triton",
+            __file__,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 20, proc.stdout[-2000:]
@@ -450,7 +543,8 @@ def test_imports_without_triton():
         "assert not T.HAVE_TRITON and not T.interpreted() and not ops.have_triton()\n"
         "assert ops.kernels('auto', torch.device('cpu')).shrink is ops.lora_shrink\n"
         "try:\n"
-        "    T.shrink(torch.zeros(1, 4), torch.zeros(2, 1, 4), 1, torch.zeros(1, dtype=torch.int32),\n"
+        "    T.shrink(torch.zeros(1, 4), torch.zeros(2, 1, 4), 1, torch.zeros(1, "
+        "dtype=torch.int32),\n"
         "             torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))\n"
         "except RuntimeError as e:\n"
         "    assert 'Triton' in str(e)\n"
@@ -465,7 +559,9 @@ def test_imports_without_triton():
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -506,7 +602,8 @@ for dtype, sizes in ((torch.bfloat16, (1, 3, 33, 2048)), (torch.float32, (33,)))
     pool = torch.zeros(9, layout.numel, dtype=dtype)
     a_off, b_off = layout.blocks[("qkv", 1)]
     a, b = slot_stack(pool, a_off, (48, 4096)), slot_stack(pool, b_off, (6144, 16))
-    routing = (torch.zeros(8, dtype=torch.int32), torch.zeros(9, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    i32 = dict(dtype=torch.int32)
+    routing = (torch.zeros(8, **i32), torch.zeros(9, **i32), torch.zeros(1, **i32))
     for n in sizes:
         x, y = torch.zeros(n, 4096, dtype=dtype), torch.zeros(n, 6144, dtype=dtype)
         h = T.shrink(x, a, 3, *routing)
@@ -515,7 +612,8 @@ for k in compiled:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        dump = [cuobjdump, "--dump-resource-usage", f.name]
+        usage = subprocess.run(dump, capture_output=True, text=True).stdout
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     assert stack == 0, (k.name, usage)  # no register spills
 print("compiled", len(compiled))
@@ -528,10 +626,14 @@ def test_kernels_compile_for_sm90():
     heuristics pick for decode and prefill) compiles for sm_90 with no register spills,
     on a machine without a GPU (Triton's bundled ptxas; no launch)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode == 77:
         pytest.skip(f"cannot compile for sm_90 here: {proc.stdout.strip()}")
-    assert proc.returncode == 0 and "compiled 10" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and "compiled 10" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -557,8 +659,15 @@ def gpu_pools():
 
     def get(hidden: int) -> Pool:
         if hidden not in cache:
-            cache[hidden] = Pool(gpu_targets(hidden), GPU_RANKS, GPU_MAX_RANK, GPU_SLOTS, torch.bfloat16,
-                                 device=GPU, seed=hidden)
+            cache[hidden] = Pool(
+                gpu_targets(hidden),
+                GPU_RANKS,
+                GPU_MAX_RANK,
+                GPU_SLOTS,
+                torch.bfloat16,
+                device=GPU,
+                seed=hidden,
+            )
         return cache[hidden]
 
     return get
@@ -601,15 +710,21 @@ def test_gpu_against_float64(gpu_pools, hidden, n, popularity):
     groups = popularity_groups(popularity, n - n_base, seed)
     routing = make_routing(groups, device=GPU, pad_to=max(GPU_SLOTS, len(groups) + 1))
     for name, t in pool.targets.items():
-        x = torch.randn(n, t.in_features, generator=torch.Generator().manual_seed(seed)).to(GPU, torch.bfloat16)
-        h, y, y0, h64, y64 = check(pool, name, x, routing, rtol_h=2e-2, rtol_y=6e-2, against_ops=False)
+        x = torch.randn(n, t.in_features, generator=torch.Generator().manual_seed(seed)).to(
+            GPU, torch.bfloat16
+        )
+        h, y, y0, h64, y64 = check(
+            pool, name, x, routing, rtol_h=2e-2, rtol_y=6e-2, against_ops=False
+        )
         slot_of = torch.tensor(row_slots(n, *routing), device=GPU)
         live = slot_of > 0
         if live.any():
             assert rel_err(h[:, live], h64[:, live]) < 1e-2
             assert rel_err(y[live], y64[live]) < 1e-2
             # the delta alone, so the base output cannot hide an error in it
-            assert rel_err(y[live].double() - y0[live].double(), y64[live] - y0[live].double()) < 1e-2
+            assert (
+                rel_err(y[live].double() - y0[live].double(), y64[live] - y0[live].double()) < 1e-2
+            )
 
 
 @pytest.mark.gpu
@@ -652,7 +767,9 @@ def test_gpu_cuda_graph_replay(gpu_pools):
     torch.cuda.synchronize()
     verify()
     groups = [(1, 3), (2, 4), (3, 2), (4, 5), (5, 6), (6, 4), (2, 3)]  # 7 groups, 27 rows
-    for src, dst in zip(make_routing(groups, device=GPU, pad_to=GPU_SLOTS), (ids, offs, end), strict=True):
+    for src, dst in zip(
+        make_routing(groups, device=GPU, pad_to=GPU_SLOTS), (ids, offs, end), strict=True
+    ):
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
@@ -690,10 +807,14 @@ def test_gpu_ops_dispatch_to_triton(gpu_pools, monkeypatch):
     y = torch.zeros(6, t.out_features, device=GPU, dtype=torch.bfloat16)
     torch.ops.lora_graph.lora_expand_(y, h, b, list(t.out_slices), *routing)
     w = torch.randn(t.out_features, t.in_features, device=GPU).to(torch.bfloat16)
-    y2, buf = torch.ops.lora_graph.lora_linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing)
+    y2, buf = torch.ops.lora_graph.lora_linear_delta(
+        x, w, None, a, b, t.num_slices, list(t.out_slices), *routing
+    )
     assert calls == ["shrink", "expand_", "linear_delta"]
     y_ref = torch.zeros_like(y)
-    reference.expand_(y_ref, reference.shrink(x, a, t.num_slices, *routing), b, list(t.out_slices), *routing)
+    reference.expand_(
+        y_ref, reference.shrink(x, a, t.num_slices, *routing), b, list(t.out_slices), *routing
+    )
     assert rel_err(y, y_ref) < 1e-2
     assert rel_err(buf[: y.numel()].view(y.shape), y_ref) < 1e-2
     torch.testing.assert_close(y2, x @ w.T)

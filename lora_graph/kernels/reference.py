@@ -15,7 +15,9 @@ from torch import Tensor
 from lora_graph.routing import row_slots
 
 
-def shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+def shrink(
+    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
     """Semantics: ``h[s, t] = x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``; 0 after.
 
     Returns ``h`` ``[num_slices, N, R]`` float32."""
@@ -29,7 +31,9 @@ def shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offs
     return h.view(n, num_slices, sr // num_slices).transpose(0, 1).contiguous()
 
 
-def embedding_shrink(tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+def embedding_shrink(
+    tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
     """Semantics: ``h[0, t] = a[slot(t), tokens[t]]`` for rows ``t < end``, 0 after (``x @ A.T``
     of the token's one-hot). Returns ``h`` ``[1, N, R]`` float32."""
     slot_of = row_slots(tokens.shape[0], lora_ids, grouped_offsets, end)
@@ -37,8 +41,15 @@ def embedding_shrink(tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offset
     return torch.where((slot_of >= 0)[:, None], h, 0.0)[None]
 
 
-def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-            end: Tensor) -> None:
+def expand_(
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> None:
     """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``; rows
     at or after ``end`` are left bit-for-bit unchanged."""
     n = h.shape[1]
@@ -52,9 +63,18 @@ def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Te
             start += width
 
 
-def linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
-                 out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-                 end: Tensor) -> tuple[Tensor, Tensor]:
+def linear_delta(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    a: Tensor,
+    b: Tensor,
+    num_slices: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> tuple[Tensor, Tensor]:
     """Semantics: ``y = x @ weight.T + bias`` and the float32 delta ``d`` that
     :func:`expand_` would add, returned as ``(y, buf)`` with ``d`` the first
     ``N * sum(out_slices)`` elements of ``buf`` (row-major), ``h`` after it."""

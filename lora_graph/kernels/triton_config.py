@@ -61,16 +61,34 @@ class ExpandConfig:
         return self.block_m >= 16
 
 
-def _finish_shrink(k: int, block_m: int, block_n: int, block_k: int, split_k: int,
-                   num_warps: int, num_stages: int, max_programs: int = 0) -> ShrinkConfig:
+def _finish_shrink(
+    k: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    num_warps: int,
+    num_stages: int,
+    max_programs: int = 0,
+) -> ShrinkConfig:
     split_k = max(1, min(split_k, cdiv(k, block_k)))
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
-    return ShrinkConfig(block_m, block_n, block_k, cdiv(k, k_per_split), k_per_split, num_warps, num_stages,
-                        max_programs)
+    return ShrinkConfig(
+        block_m,
+        block_n,
+        block_k,
+        cdiv(k, k_per_split),
+        k_per_split,
+        num_warps,
+        num_stages,
+        max_programs,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def shrink_config(n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS) -> ShrinkConfig:
+def shrink_config(
+    n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS
+) -> ShrinkConfig:
     """Heuristic tiles for shrink of ``N = n`` rows, ``K = k``, ``S*R = sr`` columns, inputs
     of ``elt_bytes`` bytes.
 
@@ -98,13 +116,15 @@ def shrink_config(n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _D
         k_min, num_warps, num_stages = 4 * block_k, 8, 3
     busy = cdiv(n, block_m) * cdiv(sr, block_n)
     split_k = max(1, min(cdiv(2 * num_sms, busy), cdiv(k, k_min)))
-    return _finish_shrink(k, block_m, block_n, block_k, split_k, num_warps, num_stages,
-                          4 * num_sms if n <= 64 else 0)
+    return _finish_shrink(
+        k, block_m, block_n, block_k, split_k, num_warps, num_stages, 4 * num_sms if n <= 64 else 0
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2,
-                  num_sms: int = _DEFAULT_SMS) -> ExpandConfig:
+def expand_config(
+    n: int, max_width: int, max_rank: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS
+) -> ExpandConfig:
     """Heuristic tiles for expand of ``N = n`` rows, widest slice ``max_width``, ``y`` of
     ``elt_bytes`` bytes.
 
@@ -123,8 +143,13 @@ def expand_config(n: int, max_width: int, max_rank: int, elt_bytes: int = 2,
     else:
         block_m, block_n = 64, wide
     block_n = min(block_n, max(16, next_pow2(max_width)))
-    return ExpandConfig(block_m, block_n, block_r, num_warps=8 if block_m * block_n >= 4096 else 4,
-                        max_programs=4 * num_sms if n <= 64 else 0)
+    return ExpandConfig(
+        block_m,
+        block_n,
+        block_r,
+        num_warps=8 if block_m * block_n >= 4096 else 4,
+        max_programs=4 * num_sms if n <= 64 else 0,
+    )
 
 
 def num_tiles(n: int, g: int, block_m: int) -> int:
@@ -135,7 +160,9 @@ def num_tiles(n: int, g: int, block_m: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def slice_meta(out_slices: tuple[int, ...], block_n: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+def slice_meta(
+    out_slices: tuple[int, ...], block_n: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
     """``(block starts, column starts, widths, total column blocks)`` of the slices."""
     blk, col, b, c = [], [], 0, 0
     for w in out_slices:

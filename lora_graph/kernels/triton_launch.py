@@ -41,7 +41,9 @@ def interpreted() -> bool:
 
 def _require_triton() -> None:
     if not HAVE_TRITON:
-        raise RuntimeError("the Triton LoRA kernels need Triton (pip install triton); use the torch backend")
+        raise RuntimeError(
+            "the Triton LoRA kernels need Triton (pip install triton); use the torch backend"
+        )
 
 
 def _check_devices(*tensors: Tensor) -> None:
@@ -74,8 +76,16 @@ def _interpreter_env():
             os.environ["TRITON_INTERPRET"] = prev
 
 
-def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor,
-                  max_rank: int, config: ShrinkConfig | None = None) -> None:
+def launch_shrink(
+    x: Tensor,
+    a: Tensor,
+    h: Tensor,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    max_rank: int,
+    config: ShrinkConfig | None = None,
+) -> None:
     """Semantics: ``h[s, t] (+)= x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``.
 
     Args:
@@ -99,27 +109,60 @@ def launch_shrink(x: Tensor, a: Tensor, h: Tensor, lora_ids: Tensor, grouped_off
     # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
     # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
     # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
-    f32 = (x.dtype != a.dtype or x.dtype == torch.float32
-           or (x.dtype == torch.bfloat16 and interpreted()))
+    f32 = (
+        x.dtype != a.dtype
+        or x.dtype == torch.float32
+        or (x.dtype == torch.bfloat16 and interpreted())
+    )
     n_items = num_tiles(n, g, cfg.block_m) * cdiv(sr, cfg.block_n) * cfg.split_k
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(x):
         _shrink_kernel[grid](
-            x, a, h, lora_ids, grouped_offsets, end,
-            n, k, g, num_slots, cfg.k_per_split, n_items,
-            x.stride(0), x.stride(1),
-            a.stride(0), a.stride(1), a.stride(2),
-            h.stride(0), h.stride(1), h.stride(2),
-            R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot, CAST_F32=f32,
+            x,
+            a,
+            h,
+            lora_ids,
+            grouped_offsets,
+            end,
+            n,
+            k,
+            g,
+            num_slots,
+            cfg.k_per_split,
+            n_items,
+            x.stride(0),
+            x.stride(1),
+            a.stride(0),
+            a.stride(1),
+            a.stride(2),
+            h.stride(0),
+            h.stride(1),
+            h.stride(2),
+            R=max_rank,
+            SR=sr,
+            G_POW2=max(16, next_pow2(g)),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k,
+            USE_DOT=cfg.use_dot,
+            CAST_F32=f32,
             DOT_PRECISION="tf32x3" if f32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 
-def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
-                  grouped_offsets: Tensor, end: Tensor, config: ExpandConfig | None = None) -> None:
+def launch_expand(
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    out_slices: tuple[int, ...],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    config: ExpandConfig | None = None,
+) -> None:
     """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``.
 
     Args:
@@ -139,22 +182,46 @@ def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], 
         return
     assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
     _check_devices(y, h, b, lora_ids, grouped_offsets, end)
-    cfg = config or expand_config(n, max(out_slices), max_rank, y.element_size(), device_sms(y.device))
+    cfg = config or expand_config(
+        n, max(out_slices), max_rank, y.element_size(), device_sms(y.device)
+    )
     blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), cfg.block_n)
     n_items = num_tiles(n, g, cfg.block_m) * n_blocks
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(y):
         _expand_kernel[grid](
-            y, h, b, lora_ids, grouped_offsets, end,
-            n, g, num_slots, n_items,
-            y.stride(0), y.stride(1),
-            h.stride(0), h.stride(1), h.stride(2),
-            b.stride(0), b.stride(1), b.stride(2),
-            R=max_rank, G_POW2=max(16, next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
-            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-            USE_DOT=cfg.use_dot, DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            y,
+            h,
+            b,
+            lora_ids,
+            grouped_offsets,
+            end,
+            n,
+            g,
+            num_slots,
+            n_items,
+            y.stride(0),
+            y.stride(1),
+            h.stride(0),
+            h.stride(1),
+            h.stride(2),
+            b.stride(0),
+            b.stride(1),
+            b.stride(2),
+            R=max_rank,
+            G_POW2=max(16, next_pow2(g)),
+            NUM_SLICES=num_slices,
+            N_COL_BLOCKS=n_blocks,
+            SLICE_BLOCK0=blk0,
+            SLICE_COL0=col0,
+            SLICE_WIDTH=widths,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_R=cfg.block_r,
+            USE_DOT=cfg.use_dot,
+            DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
 
@@ -163,7 +230,9 @@ def launch_expand(y: Tensor, h: Tensor, b: Tensor, out_slices: tuple[int, ...], 
 # --------------------------------------------------------------------------------------
 
 
-def shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor) -> Tensor:
+def shrink(
+    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
     """:func:`lora_graph.ops.lora_shrink` in one launch for all slices (split-K with fp32
     atomics at small ``N``, into a zeroed ``h``)."""
     _require_triton()
@@ -173,8 +242,15 @@ def shrink(x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offs
     return h
 
 
-def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-            end: Tensor) -> None:
+def expand_(
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> None:
     """:func:`lora_graph.ops.lora_expand_` in one launch for all slices; the sum is formed in
     fp32 and cast to ``y``'s dtype once."""
     _require_triton()
@@ -195,9 +271,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-def linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
-                 out_slices: list[int], lora_ids: Tensor, grouped_offsets: Tensor,
-                 end: Tensor) -> tuple[Tensor, Tensor]:
+def linear_delta(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    a: Tensor,
+    b: Tensor,
+    num_slices: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> tuple[Tensor, Tensor]:
     """:func:`lora_graph.ops.lora_linear_delta`: the base linear on the caller's stream and,
     overlapping it on the device's side stream, one memset + shrink + expand into the
     float32 delta. Returns after the caller's stream waits for the side stream; ``x`` and
@@ -207,7 +292,9 @@ def linear_delta(x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: T
     n = x.shape[0]
     out_features = sum(out_slices)
     max_rank = a.shape[1] // num_slices
-    buf = torch.empty(n * out_features + num_slices * n * max_rank, dtype=torch.float32, device=x.device)
+    buf = torch.empty(
+        n * out_features + num_slices * n * max_rank, dtype=torch.float32, device=x.device
+    )
     d = buf[: n * out_features].view(n, out_features)
     h = buf[n * out_features :].view(num_slices, n, max_rank)
     side = _side_stream(x.device)
