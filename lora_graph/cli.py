@@ -218,21 +218,11 @@ def _int_list(value: Any, field: str) -> list[int]:
     return value
 
 
-_REQUEST_FIELDS = frozenset(
-    {
-        "id",
-        "prompt",
-        "prompt_token_ids",
-        "adapter",
-        "max_new_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "stop_token_ids",
-        "ignore_eos",
-    }
-)
+# fmt: off
+_REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "adapter", "max_new_tokens",
+                             "temperature", "top_k", "top_p", "seed", "stop_token_ids",
+                             "ignore_eos"})
+# fmt: on
 
 
 def _request_from_json(

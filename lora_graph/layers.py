@@ -33,17 +33,49 @@ class Embedding(nn.Embedding):
         return super().forward(tokens)
 
 
-class LoRALinear(nn.Module):
+class _LoRALayer(nn.Module):
+    """What every LoRA layer holds: its base module, its target, and its views of the slot
+    pool, ``a`` and ``b`` (``[num_slots, ...]``, set once by wrapping: loading an adapter
+    into a slot rewrites the pool in place).
+
+    Raises:
+        ValueError: if the base module's ``(in, out)`` shape is not the target's.
+    """
+
+    def __init__(self, base: nn.Module, *, target_name: str, target: LoraTarget, layer: int,
+                 a: Tensor, b: Tensor, kernels: ops.Kernels) -> None:  # fmt: skip
+        super().__init__()
+        shape, want = self._base_shape(base), (target.in_features, target.out_features)
+        if shape != want:
+            raise ValueError(
+                f"{target_name} layer {layer}: the base {type(base).__name__} is "
+                f"{shape[0]}x{shape[1]}, the target {want[0]}x{want[1]} (in x out)"
+            )
+        self.base = base
+        self.target_name = target_name
+        self.layer = layer
+        self.a = a
+        self.b = b
+        self._kernels = kernels
+
+    @staticmethod
+    def _base_shape(base: nn.Module) -> tuple[int, int]:
+        return (base.in_features, base.out_features)
+
+    def extra_repr(self) -> str:
+        return f"target={self.target_name}, layer={self.layer}, a={list(self.a.shape)}"
+
+
+class LoRALinear(_LoRALayer):
     """A base ``nn.Linear`` (fused or not) of one target family and layer, plus LoRA.
 
     Forward: ``y = base(x)``; with routing, ``y[t, slice_s] += x[t] @ A_s.T @ B_s.T`` for the
     rows ``t`` the routing sends to LoRA, each row's A and B from its group's slot (the scale
     is already in B). ``x`` is ``[..., in_features]``; rows are the flattened leading dims.
 
-    ``a`` ``[num_slots, S * R, in_features]`` and ``b`` ``[num_slots, out_features, R]`` are
-    this layer's views of the slot pool, set once by wrapping: loading an adapter into a
-    slot rewrites the pool in place. Every layer of a target has views of the same shape,
-    so one compiled graph serves every layer.
+    ``a`` is ``[num_slots, S * R, in_features]`` and ``b`` ``[num_slots, out_features, R]``.
+    Every layer of a target has views of the same shape, so one compiled graph serves every
+    layer.
 
     A ``per_segment`` target (an LM head) given a 2-D ``x`` ``[requests, in_features]`` is
     routed by request (:attr:`Routing.segments`); given ``[B, T, in_features]``, by token.
@@ -52,32 +84,11 @@ class LoRALinear(nn.Module):
     are added after it (``y + d`` in float32, rounded once).
     """
 
-    def __init__(
-        self,
-        base: nn.Linear,
-        *,
-        target_name: str,
-        target: LoraTarget,
-        layer: int,
-        a: Tensor,
-        b: Tensor,
-        kernels: ops.Kernels,
-    ) -> None:
-        super().__init__()
-        if base.in_features != target.in_features or base.out_features != target.out_features:
-            raise ValueError(
-                f"{target_name} layer {layer}: base linear {base.in_features}->{base.out_features} "
-                f"does not match the target {target.in_features}->{target.out_features}"
-            )
-        self.base = base
-        self.target_name = target_name
-        self.layer = layer
+    def __init__(self, base: nn.Linear, *, target: LoraTarget, **kwargs) -> None:
+        super().__init__(base, target=target, **kwargs)
         self.per_segment = target.per_segment
         self.num_slices = target.num_slices
         self.out_slices = list(target.out_slices)
-        self.a = a
-        self.b = b
-        self._kernels = kernels
 
     def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         if routing is None:
@@ -86,15 +97,9 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         k = self._kernels
         if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
+            weight, bias = self.base.weight, self.base.bias
             y, buf = k.linear_delta(
-                x2,
-                self.base.weight,
-                self.base.bias,
-                self.a,
-                self.b,
-                self.num_slices,
-                self.out_slices,
-                *route,
+                x2, weight, bias, self.a, self.b, self.num_slices, self.out_slices, *route
             )
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
@@ -103,14 +108,8 @@ class LoRALinear(nn.Module):
         k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route)
         return y
 
-    def extra_repr(self) -> str:
-        return (
-            f"target={self.target_name}, layer={self.layer}, out_slices={self.out_slices}, "
-            f"a={list(self.a.shape)}"
-        )
 
-
-class LoRAEmbedding(nn.Module):
+class LoRAEmbedding(_LoRALayer):
     """A base ``nn.Embedding`` (an ``embedding`` target), plus LoRA.
 
     Forward: ``y = base(tokens)``; with routing, ``y[t] += A[:, tokens[t]] @ B.T`` for the
@@ -119,30 +118,9 @@ class LoRAEmbedding(nn.Module):
     holds A transposed, ``b`` ``[num_slots, dim, R]``.
     """
 
-    def __init__(
-        self,
-        base: nn.Embedding,
-        *,
-        target_name: str,
-        target: LoraTarget,
-        layer: int,
-        a: Tensor,
-        b: Tensor,
-        kernels: ops.Kernels,
-    ) -> None:
-        super().__init__()
-        if base.num_embeddings != target.in_features or base.embedding_dim != target.out_features:
-            raise ValueError(
-                f"{target_name}: base embedding {base.num_embeddings}x{base.embedding_dim} does "
-                "not match "
-                f"the target {target.in_features}x{target.out_features}"
-            )
-        self.base = base
-        self.target_name = target_name
-        self.layer = layer
-        self.a = a
-        self.b = b
-        self._kernels = kernels
+    @staticmethod
+    def _base_shape(base: nn.Module) -> tuple[int, int]:
+        return (base.num_embeddings, base.embedding_dim)
 
     def forward(self, tokens: Tensor, routing: Routing | None = None) -> Tensor:
         y = self.base(tokens)
@@ -151,9 +129,6 @@ class LoRAEmbedding(nn.Module):
         h = self._kernels.embedding_shrink(tokens.reshape(-1), self.a, *routing.tokens)
         self._kernels.expand(y.view(-1, y.shape[-1]), h, self.b, [y.shape[-1]], *routing.tokens)
         return y
-
-    def extra_repr(self) -> str:
-        return f"target={self.target_name}, a={list(self.a.shape)}"
 
 
 def slot_stack(pool: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:

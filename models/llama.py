@@ -183,15 +183,9 @@ class Attention(nn.Module):
         self.kv_cache = kv_cache
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        positions: Tensor,
-        cache_rows: Tensor,
-        prefill: bool,
-        routing: Routing | None,
-    ) -> Tensor:
+        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor,
+        prefill: bool, routing: Routing | None,
+    ) -> Tensor:  # fmt: skip
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -267,15 +261,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        positions: Tensor,
-        cache_rows: Tensor,
-        prefill: bool,
-        routing: Routing | None,
-    ) -> Tensor:
+        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor,
+        prefill: bool, routing: Routing | None,
+    ) -> Tensor:  # fmt: skip
         x = x + self.self_attn(
             self.input_layernorm(x), cos, sin, positions, cache_rows, prefill, routing
         )

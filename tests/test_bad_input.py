@@ -19,7 +19,7 @@ import torch
 from conftest import make_pipeline, prompts
 from safetensors.torch import load_file, save_file
 
-from lora_graph.cli import main
+from lora_graph.cli import _REQUEST_FIELDS, main
 from lora_graph.config import AdapterError
 from lora_graph.engine import SamplingParams, sample
 
@@ -402,20 +402,7 @@ WEIRD_VALUES = [
     {"a": 1},
     [[1]],
 ]
-FIELDS = [
-    "id",
-    "prompt",
-    "prompt_token_ids",
-    "adapter",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "stop_token_ids",
-    "ignore_eos",
-    "unknown",
-]
+FIELDS = [*sorted(_REQUEST_FIELDS), "unknown"]
 
 
 def _mutate_line(rng: random.Random, req: dict) -> bytes:

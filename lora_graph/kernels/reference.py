@@ -1,7 +1,8 @@
 """The pure-torch reference of every LoRA op (:mod:`lora_graph.ops`): the CPU
 implementation, and the twin every fast kernel is tested against.
 
-Slot stacks are each LoRA layer's views of the slot pool: ``a`` ``[num_slots, S * R, K]``
+``*routing`` is the triple ``(lora_ids, grouped_offsets, end)``. Slot stacks are each LoRA
+layer's views of the slot pool: ``a`` ``[num_slots, S * R, K]``
 (the A of slice ``s`` in rows ``s*R:(s+1)*R``), ``b`` ``[num_slots, out_features, R]``;
 an embedding's ``a`` is ``[num_slots, vocab, R]`` (PEFT's ``lora_embedding_A``
 transposed). Slot 0 is the zero adapter. Routing: :mod:`lora_graph.routing`.
@@ -15,15 +16,13 @@ from torch import Tensor
 from lora_graph.routing import row_slots
 
 
-def shrink(
-    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
-) -> Tensor:
+def shrink(x: Tensor, a: Tensor, num_slices: int, *routing: Tensor) -> Tensor:
     """Semantics: ``h[s, t] = x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``; 0 after.
 
     Returns ``h`` ``[num_slices, N, R]`` float32."""
     n = x.shape[0]
     sr = a.shape[1]
-    slot_of = row_slots(n, lora_ids, grouped_offsets, end)
+    slot_of = row_slots(n, *routing)
     x32 = x.float()
     h = x32.new_zeros(n, sr)
     for s in range(1, a.shape[0]):  # slot 0 is the zero adapter
@@ -31,29 +30,18 @@ def shrink(
     return h.view(n, num_slices, sr // num_slices).transpose(0, 1).contiguous()
 
 
-def embedding_shrink(
-    tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
-) -> Tensor:
+def embedding_shrink(tokens: Tensor, a: Tensor, *routing: Tensor) -> Tensor:
     """Semantics: ``h[0, t] = a[slot(t), tokens[t]]`` for rows ``t < end``, 0 after (``x @ A.T``
     of the token's one-hot). Returns ``h`` ``[1, N, R]`` float32."""
-    slot_of = row_slots(tokens.shape[0], lora_ids, grouped_offsets, end)
+    slot_of = row_slots(tokens.shape[0], *routing)
     h = a[slot_of.clamp(min=0), tokens].float()
     return torch.where((slot_of >= 0)[:, None], h, 0.0)[None]
 
 
-def expand_(
-    y: Tensor,
-    h: Tensor,
-    b: Tensor,
-    out_slices: list[int],
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> None:
+def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor) -> None:
     """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``; rows
     at or after ``end`` are left bit-for-bit unchanged."""
-    n = h.shape[1]
-    slot_of = row_slots(n, lora_ids, grouped_offsets, end)
+    slot_of = row_slots(h.shape[1], *routing)
     for s in range(1, b.shape[0]):
         start = 0
         mask = (slot_of == s)[:, None]
@@ -64,23 +52,15 @@ def expand_(
 
 
 def linear_delta(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    a: Tensor,
-    b: Tensor,
-    num_slices: int,
-    out_slices: list[int],
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+    out_slices: list[int], *routing: Tensor
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Semantics: ``y = x @ weight.T + bias`` and the float32 delta ``d`` that
     :func:`expand_` would add, returned as ``(y, buf)`` with ``d`` the first
     ``N * sum(out_slices)`` elements of ``buf`` (row-major), ``h`` after it."""
     n = x.shape[0]
     out_features = sum(out_slices)
-    h = shrink(x, a, num_slices, lora_ids, grouped_offsets, end)
+    h = shrink(x, a, num_slices, *routing)
     d = torch.zeros(n, out_features, dtype=torch.float32, device=x.device)
-    expand_(d, h, b, out_slices, lora_ids, grouped_offsets, end)
+    expand_(d, h, b, out_slices, *routing)
     return torch.nn.functional.linear(x, weight, bias), torch.cat([d.reshape(-1), h.reshape(-1)])

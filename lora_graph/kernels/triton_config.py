@@ -26,8 +26,17 @@ def device_sms(device: torch.device) -> int:
     return _DEFAULT_SMS
 
 
+class _Tiles:
+    block_m: int
+
+    @property
+    def use_dot(self) -> bool:
+        """``tl.dot`` row tiles (16 rows and more); below, a broadcast multiply + sum."""
+        return self.block_m >= 16
+
+
 @dataclass(frozen=True)
-class ShrinkConfig:
+class ShrinkConfig(_Tiles):
     """Tile sizes of the shrink kernel. ``k_per_split`` is a multiple of ``block_k``;
     ``split_k == cdiv(K, k_per_split)``."""
 
@@ -38,15 +47,11 @@ class ShrinkConfig:
     k_per_split: int
     num_warps: int = 4
     num_stages: int = 3
-    max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
-
-    @property
-    def use_dot(self) -> bool:
-        return self.block_m >= 16
+    max_programs: int = 0  # 0: one program per work item; else a grid-stride loop
 
 
 @dataclass(frozen=True)
-class ExpandConfig:
+class ExpandConfig(_Tiles):
     """Tile sizes of the expand kernel (``block_r`` covers ``max_rank``)."""
 
     block_m: int
@@ -55,10 +60,6 @@ class ExpandConfig:
     num_warps: int = 4
     num_stages: int = 1
     max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
-
-    @property
-    def use_dot(self) -> bool:
-        return self.block_m >= 16
 
 
 def _finish_shrink(

@@ -52,19 +52,13 @@ except ImportError:  # pragma: no cover
     tl = None
     HAVE_TRITON = False
 
+# fmt: off
+# (compact argument lists: the formatter would put every kernel argument on a line of its own)
 if HAVE_TRITON:
 
     @triton.jit
-    def _group_table(
-        lora_ids_ptr,
-        offsets_ptr,
-        end_ptr,
-        N,
-        G,
-        num_slots,
-        G_POW2: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-    ):
+    def _group_table(lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots,
+                     G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
         """Per group (vectors of ``G_POW2``): slot, rows ``[lo, hi)`` (empty for slot 0, an
         unknown slot, or padding), and its row tiles ``[first, last)`` in the tile sequence."""
         gs = tl.arange(0, G_POW2)
@@ -73,12 +67,10 @@ if HAVE_TRITON:
         lo = tl.load(offsets_ptr + gs, mask=in_g, other=0).to(tl.int32)
         hi = tl.load(offsets_ptr + gs + 1, mask=in_g, other=0).to(tl.int32)
         end = tl.load(end_ptr).to(tl.int32)
-        lo = tl.where(
-            gs == 0, 0, lo
-        )  # the reference's searchsorted puts rows before offsets[1] in group 0
-        hi = tl.where(
-            gs == G - 1, end, tl.minimum(hi, end)
-        )  # ... and rows up to end in group G - 1
+        # the reference's searchsorted puts rows before offsets[1] in group 0, and rows up to
+        # end in group G - 1
+        lo = tl.where(gs == 0, 0, lo)
+        hi = tl.where(gs == G - 1, end, tl.minimum(hi, end))
         hi = tl.minimum(hi, N)
         valid = in_g & (slot > 0) & (slot < num_slots) & (hi > lo)
         hi = tl.where(valid, hi, lo)
@@ -99,32 +91,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _shrink_tile(
-        x_ptr,
-        a_ptr,
-        h_ptr,
-        slot,
-        row0,
-        hi,
-        pid_n,
-        pid_k,
-        K,
-        k_per_split,
-        stride_xm,
-        stride_xk,
-        stride_as,
-        stride_aj,
-        stride_ak,
-        stride_hs,
-        stride_hm,
-        stride_hr,
-        R: tl.constexpr,
-        SR: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-        USE_DOT: tl.constexpr,
-        CAST_F32: tl.constexpr,
+        x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+        stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -135,12 +105,8 @@ if HAVE_TRITON:
         offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
 
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        a_ptrs = (
-            a_ptr
-            + slot.to(tl.int64) * stride_as
-            + offs_j[None, :] * stride_aj
-            + offs_k[:, None] * stride_ak
-        )  # [BLOCK_K, BLOCK_N]
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as
+                  + offs_j[None, :] * stride_aj + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_per_split, BLOCK_K):
             mask_k = offs_k < K - kk
@@ -169,35 +135,14 @@ if HAVE_TRITON:
     # every batch bucket with the same tiles); K and the strides are (vectorised loads).
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
     def _shrink_kernel(
-        x_ptr,
-        a_ptr,
-        h_ptr,
-        lora_ids_ptr,
-        offsets_ptr,
-        end_ptr,
-        N,
-        K,
-        G,
-        num_slots,
-        k_per_split,
-        n_items,
-        stride_xm,
-        stride_xk,
-        stride_as,
-        stride_aj,
-        stride_ak,
-        stride_hs,
-        stride_hm,
-        stride_hr,
-        R: tl.constexpr,
-        SR: tl.constexpr,
-        G_POW2: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-        USE_DOT: tl.constexpr,
-        CAST_F32: tl.constexpr,
+        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, K, G, num_slots, k_per_split, n_items,
+        stride_xm, stride_xk,
+        stride_as, stride_aj, stride_ak,
+        stride_hs, stride_hm, stride_hr,
+        R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot(t), j, k]`` for every
@@ -208,8 +153,7 @@ if HAVE_TRITON:
         program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
-            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M
-        )
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
         per_tile: tl.constexpr = ((SR + BLOCK_N - 1) // BLOCK_N) * SPLIT_K
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             tile = item // per_tile
@@ -217,63 +161,20 @@ if HAVE_TRITON:
             pid_k = item % SPLIT_K
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if row0 < hi:
-                _shrink_tile(
-                    x_ptr,
-                    a_ptr,
-                    h_ptr,
-                    slot,
-                    row0,
-                    hi,
-                    pid_n,
-                    pid_k,
-                    K,
-                    k_per_split,
-                    stride_xm,
-                    stride_xk,
-                    stride_as,
-                    stride_aj,
-                    stride_ak,
-                    stride_hs,
-                    stride_hm,
-                    stride_hr,
-                    R,
-                    SR,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                    SPLIT_K,
-                    USE_DOT,
-                    CAST_F32,
-                    DOT_PRECISION,
-                )
+                _shrink_tile(x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+                             stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
+                             stride_hs, stride_hm, stride_hr,
+                             R, SR, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32,
+                             DOT_PRECISION)
 
     @triton.jit
     def _expand_tile(
-        y_ptr,
-        h_ptr,
-        b_ptr,
-        slot,
-        row0,
-        hi,
-        pid_n,
-        stride_ym,
-        stride_yn,
-        stride_hs,
-        stride_hm,
-        stride_hr,
-        stride_bs,
-        stride_bn,
-        stride_br,
-        R: tl.constexpr,
-        NUM_SLICES: tl.constexpr,
-        SLICE_BLOCK0: tl.constexpr,
-        SLICE_COL0: tl.constexpr,
-        SLICE_WIDTH: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        USE_DOT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+        stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # which slice column block pid_n is in (constexpr block starts, no table in memory)
         sl = pid_n * 0
@@ -298,12 +199,8 @@ if HAVE_TRITON:
 
         h_ptrs = h_ptr + sl * stride_hs + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
         ht = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        b_ptrs = (
-            b_ptr
-            + slot.to(tl.int64) * stride_bs
-            + cols[:, None] * stride_bn
-            + offs_r[None, :] * stride_br
-        )  # [BLOCK_N, BLOCK_R]
+        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
+                  + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)  # [BLOCK_N, BLOCK_R]
         bt = tl.load(b_ptrs, mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         if USE_DOT:
             delta = tl.dot(ht, tl.trans(bt), input_precision=DOT_PRECISION)
@@ -318,36 +215,15 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
     def _expand_kernel(
-        y_ptr,
-        h_ptr,
-        b_ptr,
-        lora_ids_ptr,
-        offsets_ptr,
-        end_ptr,
-        N,
-        G,
-        num_slots,
-        n_items,
-        stride_ym,
-        stride_yn,
-        stride_hs,
-        stride_hm,
-        stride_hr,
-        stride_bs,
-        stride_bn,
-        stride_br,
-        R: tl.constexpr,
-        G_POW2: tl.constexpr,
-        NUM_SLICES: tl.constexpr,
-        N_COL_BLOCKS: tl.constexpr,
-        SLICE_BLOCK0: tl.constexpr,
-        SLICE_COL0: tl.constexpr,
-        SLICE_WIDTH: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        USE_DOT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, G, num_slots, n_items,
+        stride_ym, stride_yn,
+        stride_hs, stride_hm, stride_hr,
+        stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
+        SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
         for every work item ``(row tile, column block)`` this program owns.
@@ -359,37 +235,15 @@ if HAVE_TRITON:
         ``p, p + num_programs, ...``.
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
-            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M
-        )
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             tile = item // N_COL_BLOCKS
             pid_n = item % N_COL_BLOCKS
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if row0 < hi:
-                _expand_tile(
-                    y_ptr,
-                    h_ptr,
-                    b_ptr,
-                    slot,
-                    row0,
-                    hi,
-                    pid_n,
-                    stride_ym,
-                    stride_yn,
-                    stride_hs,
-                    stride_hm,
-                    stride_hr,
-                    stride_bs,
-                    stride_bn,
-                    stride_br,
-                    R,
-                    NUM_SLICES,
-                    SLICE_BLOCK0,
-                    SLICE_COL0,
-                    SLICE_WIDTH,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_R,
-                    USE_DOT,
-                    DOT_PRECISION,
-                )
+                _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+                             stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
+                             stride_bs, stride_bn, stride_br,
+                             R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                             BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
+# fmt: on

@@ -117,40 +117,18 @@ def launch_shrink(
     n_items = num_tiles(n, g, cfg.block_m) * cdiv(sr, cfg.block_n) * cfg.split_k
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(x):
+        # fmt: off
         _shrink_kernel[grid](
-            x,
-            a,
-            h,
-            lora_ids,
-            grouped_offsets,
-            end,
-            n,
-            k,
-            g,
-            num_slots,
-            cfg.k_per_split,
-            n_items,
-            x.stride(0),
-            x.stride(1),
-            a.stride(0),
-            a.stride(1),
-            a.stride(2),
-            h.stride(0),
-            h.stride(1),
-            h.stride(2),
-            R=max_rank,
-            SR=sr,
-            G_POW2=max(16, next_pow2(g)),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k,
-            USE_DOT=cfg.use_dot,
-            CAST_F32=f32,
-            DOT_PRECISION="tf32x3" if f32 else "tf32",
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            x, a, h, lora_ids, grouped_offsets, end,
+            n, k, g, num_slots, cfg.k_per_split, n_items,
+            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+            h.stride(0), h.stride(1), h.stride(2),
+            R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+            USE_DOT=cfg.use_dot, CAST_F32=f32, DOT_PRECISION="tf32x3" if f32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        # fmt: on
 
 
 def launch_expand(
@@ -189,40 +167,19 @@ def launch_expand(
     n_items = num_tiles(n, g, cfg.block_m) * n_blocks
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(y):
+        # fmt: off
         _expand_kernel[grid](
-            y,
-            h,
-            b,
-            lora_ids,
-            grouped_offsets,
-            end,
-            n,
-            g,
-            num_slots,
-            n_items,
-            y.stride(0),
-            y.stride(1),
-            h.stride(0),
-            h.stride(1),
-            h.stride(2),
-            b.stride(0),
-            b.stride(1),
-            b.stride(2),
-            R=max_rank,
-            G_POW2=max(16, next_pow2(g)),
-            NUM_SLICES=num_slices,
-            N_COL_BLOCKS=n_blocks,
-            SLICE_BLOCK0=blk0,
-            SLICE_COL0=col0,
-            SLICE_WIDTH=widths,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_R=cfg.block_r,
-            USE_DOT=cfg.use_dot,
+            y, h, b, lora_ids, grouped_offsets, end,
+            n, g, num_slots, n_items,
+            y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
+            R=max_rank, G_POW2=max(16, next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
+            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        # fmt: on
 
 
 # --------------------------------------------------------------------------------------
@@ -230,31 +187,21 @@ def launch_expand(
 # --------------------------------------------------------------------------------------
 
 
-def shrink(
-    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
-) -> Tensor:
+def shrink(x: Tensor, a: Tensor, num_slices: int, *routing: Tensor) -> Tensor:
     """:func:`lora_graph.ops.lora_shrink` in one launch for all slices (split-K with fp32
     atomics at small ``N``, into a zeroed ``h``)."""
     _require_triton()
     max_rank = a.shape[1] // num_slices
     h = torch.zeros((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
+    launch_shrink(x, a, h, *routing, max_rank)
     return h
 
 
-def expand_(
-    y: Tensor,
-    h: Tensor,
-    b: Tensor,
-    out_slices: list[int],
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> None:
+def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor) -> None:
     """:func:`lora_graph.ops.lora_expand_` in one launch for all slices; the sum is formed in
     fp32 and cast to ``y``'s dtype once."""
     _require_triton()
-    launch_expand(y, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+    launch_expand(y, h, b, tuple(out_slices), *routing)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -272,17 +219,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def linear_delta(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    a: Tensor,
-    b: Tensor,
-    num_slices: int,
-    out_slices: list[int],
-    lora_ids: Tensor,
-    grouped_offsets: Tensor,
-    end: Tensor,
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+    out_slices: list[int], *routing: Tensor
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`lora_graph.ops.lora_linear_delta`: the base linear on the caller's stream and,
     overlapping it on the device's side stream, one memset + shrink + expand into the
     float32 delta. Returns after the caller's stream waits for the side stream; ``x`` and
@@ -305,8 +244,8 @@ def linear_delta(
         ctx = torch.cuda.stream(side)
     with ctx:
         buf.zero_()
-        launch_shrink(x, a, h, lora_ids, grouped_offsets, end, max_rank)
-        launch_expand(d, h, b, tuple(out_slices), lora_ids, grouped_offsets, end)
+        launch_shrink(x, a, h, *routing, max_rank)
+        launch_expand(d, h, b, tuple(out_slices), *routing)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
