@@ -34,7 +34,8 @@ ModuleMap = Callable[[str], LoraModuleRef | None]
 # lora_A / lora_B are Linear weights (``.weight``); lora_embedding_A / _B bare parameters;
 # either may carry PEFT's adapter-name infix (``lora_A.default.weight``)
 _LORA_KEY = re.compile(
-    r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.[^.]+)?\.weight|(?P<emb>embedding_A|embedding_B)(?:\.[^.]+)?)$"
+    r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight"
+    r"|(?P<emb>embedding_A|embedding_B)(?:\.(?P<ename>[^.]+))?)$"
 )
 _BASE_LAYER_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 _PREFIXES = ("base_model.model.",)
@@ -161,17 +162,33 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite int or float (an int too large for a float is not: it overflows)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v) and abs(v) < 2**1000
 
 
 def _is_str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
+# PEFT's TaskType values (PEFT refuses others)
+_TASK_TYPES = (
+    "SEQ_CLS",
+    "SEQ_2_SEQ_LM",
+    "CAUSAL_LM",
+    "TOKEN_CLS",
+    "QUESTION_ANS",
+    "FEATURE_EXTRACTION",
+)
+
 # field -> (check, what the field must be); None is PEFT's default for the optional ones
 _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "peft_type": (lambda v: isinstance(v, str), "a string"),
-    "task_type": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "task_type": (
+        lambda v: v is None or v in _TASK_TYPES,
+        f"null or one of {', '.join(_TASK_TYPES)}",
+    ),
     "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "revision": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "peft_version": (lambda v: v is None or isinstance(v, str), "a string or null"),
@@ -231,24 +248,27 @@ def check_config_types(config: dict[str, Any], where: str) -> None:
     for key, (ok, what) in _CONFIG_TYPES.items():
         if key in config and not ok(config[key]):
             raise AdapterError(f"{where}: field {key!r} must be {what}, got {config[key]!r}")
-    for field in (
-        "target_modules",
-        "exclude_modules",
-        "layers_pattern",
-    ):  # a string is a regex (PEFT: re.fullmatch)
+    if config.get("target_modules") is None:
+        raise AdapterError(
+            f"{where}: field 'target_modules' is missing or null (PEFT would fill in its default "
+            "targets for the model type; name them)"
+        )
+    # strings are regexes: target/exclude_modules matched whole, layers_pattern embedded
+    for field in ("target_modules", "exclude_modules", "layers_pattern"):
         patterns = config.get(field)
         for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
             try:
-                re.compile(pattern)
+                re.compile(
+                    rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+                    if field == "layers_pattern"
+                    else pattern
+                )
             except re.error as e:
                 raise AdapterError(
                     f"{where}: field {field!r} holds {pattern!r}, not a valid regular expression "
                     f"({e})"
                 ) from e
-    for field in (
-        "rank_pattern",
-        "alpha_pattern",
-    ):  # keys are regexes matched as PEFT's get_pattern_key
+    for field in ("rank_pattern", "alpha_pattern"):  # keys: regexes, PEFT's get_pattern_key
         for pattern in config.get(field) or {}:
             try:
                 re.compile(rf"(.*\.)?({pattern})$")
@@ -282,9 +302,14 @@ def _read_shapes(weights_path: str) -> dict[str, tuple[int, ...]]:
 
 def _load_bin(weights_path: str) -> dict[str, Tensor]:
     try:
-        return torch.load(weights_path, map_location="cpu", weights_only=True)
+        state = torch.load(weights_path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise AdapterError(f"{weights_path}: not a readable torch checkpoint ({e})") from e
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()
+    ):
+        raise AdapterError(f"{weights_path}: not a state dict (a dict of names to tensors)")
+    return state
 
 
 def _load_tensors(weights_path: str) -> dict[str, Tensor]:
@@ -298,18 +323,28 @@ def _load_tensors(weights_path: str) -> dict[str, Tensor]:
         raise AdapterError(f"{weights_path}: not a readable safetensors file ({e})") from e
 
 
-def parse_lora_key(key: str) -> tuple[str, str] | None:
-    """``(module, "A"|"B"|"embedding_A"|"embedding_B")`` of a PEFT key, or None if the key
-    is not a LoRA weight. The module loses PEFT's ``base_model.model.`` prefix and any
-    adapter-name infix: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
-    gives ``("model.layers.0.self_attn.q_proj", "A")``."""
+def parse_lora_key(key: str) -> tuple[str, str, str | None] | None:
+    """``(module, "A"|"B"|"embedding_A"|"embedding_B", adapter name infix or None)`` of a
+    PEFT key, or None if the key is not a LoRA weight. The module loses PEFT's
+    ``base_model.model.`` prefix:
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` gives
+    ``("model.layers.0.self_attn.q_proj", "A", "default")``.
+
+    Raises:
+        AdapterError: for a LoRA key without the ``base_model.model.`` prefix (PEFT would
+            not load it).
+    """
     m = _LORA_KEY.match(key)
     if m is None:
         return None
     module = m.group("module")
+    if not module.startswith(_PREFIXES):
+        raise AdapterError(
+            f"tensor {key} lacks PEFT's 'base_model.model.' prefix (PEFT would not load it)"
+        )
     for prefix in _PREFIXES:
         module = module.removeprefix(prefix)
-    return module, m.group("ab") or m.group("emb")
+    return module, m.group("ab") or m.group("emb"), m.group("name") or m.group("ename")
 
 
 def parse_base_layer_key(key: str) -> str | None:
@@ -502,9 +537,23 @@ class AdapterReader:
         base_layers: dict[str, str] = {}
         unknown: list[str] = []
         for key in sorted(shapes):
-            parsed = parse_lora_key(key)
+            try:
+                parsed = parse_lora_key(key)
+            except AdapterError as e:
+                raise AdapterError(f"adapter {name!r}: {e}") from None
             if parsed is not None:
-                pairs.setdefault(parsed[0], {})[parsed[1]] = key
+                module, ab, infix = parsed
+                if infix not in (None, "default"):  # PEFT loads a file's keys as adapter "default"
+                    raise AdapterError(
+                        f"adapter {name!r}: tensor {key} belongs to an adapter named {infix!r} "
+                        "(PEFT loads only unnamed or 'default' keys); save that adapter on its own"
+                    )
+                if ab in pairs.get(module, {}):
+                    raise AdapterError(
+                        f"adapter {name!r}: module {module} has two lora_{ab} tensors "
+                        f"({pairs[module][ab]} and {key}); save each adapter on its own"
+                    )
+                pairs.setdefault(module, {})[ab] = key
             elif (base := parse_base_layer_key(key)) is not None:
                 base_layers[base] = key
             else:
@@ -512,8 +561,8 @@ class AdapterReader:
         if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
             raise AdapterError(
                 f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
-                "DoRA "
-                "magnitude, trainable tokens or a saved full layer?); only plain LoRA can be served"
+                "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can be "
+                "served"
             )
         # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
         # r is the tensors' rank and the scale is 1
@@ -538,6 +587,11 @@ class AdapterReader:
                 raise AdapterError(f"adapter {name!r}: module {module} {what}")
             a_shape, b_shape = shapes[ab[a_name]], shapes[ab[b_name]]
             rank = a_shape[0] if a_shape else 0
+            if rank == 0:
+                raise AdapterError(
+                    f"adapter {name!r}: module {module} has rank-0 tensors "
+                    f"(lora_{a_name} {list(a_shape)})"
+                )
             max_rank = max(max_rank, rank)
             ref = self.module_map(module)
             if ref is None or ref.target not in self.targets:

@@ -154,6 +154,8 @@ def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise CliError(f"--requests {path}: {e.strerror or e}") from e
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise CliError(f"--requests {path}: the file is UTF-16; save it as UTF-8")
     lines: list[tuple[int, str | None, str | None]] = []
     for n, chunk in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
         try:
@@ -170,20 +172,24 @@ def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
             continue
         if text.strip():
             lines.append((n, text, None))
+    if not lines:
+        raise CliError(f"--requests {path}: no requests in the file (one JSON object a line)")
     return lines
 
 
 def _parse_requests(
     lines: list[tuple[int, str | None, str | None]], tokenizer: Any, defaults: SamplingParams
-) -> list[tuple[Request, int, str | None]]:
-    """Parse requests-file lines into ``(request, line number, error)`` entries in file
-    order; a line that is not a valid request, or repeats an earlier id, carries an error."""
-    entries: list[tuple[Request, int, str | None]] = []
+) -> list[tuple[Request, str, str | None]]:
+    """Parse requests-file lines into ``(request, output id, error)`` entries in file order;
+    a line that is not a valid request, or repeats an earlier id, carries an error naming
+    its line. The engine sees each request as ``line-N`` (unique by construction); the
+    output names it by its own ``id`` (``line-N`` when it has none)."""
+    entries: list[tuple[Request, str, str | None]] = []
     seen: set[str] = set()
     for n, line, error in lines:
-        rid = f"line-{n}"
+        key = out_id = f"line-{n}"
         if error is not None or line is None:
-            entries.append((Request(rid, [], None), n, error))
+            entries.append((Request(key, [], None), out_id, error))
             continue
         try:
             obj = json.loads(line)
@@ -192,21 +198,21 @@ def _parse_requests(
             if obj.get("id") is not None:
                 if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
                     raise ValueError("id must be a string or an integer")
-                rid = str(obj["id"])
+                out_id = str(obj["id"])
+                if out_id in seen:
+                    raise ValueError(f"id {out_id!r} repeats an earlier request's id")
+                seen.add(out_id)
             unknown = sorted(set(obj) - _REQUEST_FIELDS)
             if unknown:
                 raise ValueError(
                     f"unknown field {unknown[0]!r} (a request has: "
                     f"{', '.join(sorted(_REQUEST_FIELDS))})"
                 )
-            if rid in seen:
-                raise ValueError(f"id {rid!r} repeats an earlier request's id")
-            request = _request_from_json(obj, rid, tokenizer, defaults)
+            request = _request_from_json(obj, key, tokenizer, defaults)
             request.sampling.validate()
-            entries.append((request, n, None))
-        except (ValueError, TypeError, RecursionError) as e:
-            entries.append((Request(rid, [], None), n, f"line {n}: {e}"))
-        seen.add(rid)
+            entries.append((request, out_id, None))
+        except (ValueError, TypeError, RecursionError, OverflowError) as e:
+            entries.append((Request(key, [], None), out_id, f"line {n}: {e}"))
     return entries
 
 
@@ -235,6 +241,12 @@ def _request_from_json(
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError("prompt must be a string")
+        try:
+            obj["prompt"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"prompt is not valid Unicode text ({e.reason} at {e.start})"
+            ) from None
         if tokenizer is None:
             raise ValueError("the model has no tokenizer; give prompt_token_ids")
         ids = tokenizer(obj["prompt"])["input_ids"]
@@ -281,6 +293,14 @@ def _check_output(path: str | None) -> None:
             f"--output {path}: "
             f"{'is a directory' if out.is_dir() else 'its directory does not exist'}"
         )
+    existed = out.exists()
+    try:
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        raise CliError(f"--output {path}: cannot be written ({e.strerror or e})") from e
+    if not existed:
+        out.unlink()
 
 
 def _check_sampling(defaults: SamplingParams) -> None:
@@ -293,6 +313,7 @@ def _check_sampling(defaults: SamplingParams) -> None:
             .replace("temperature", "--temperature")
             .replace("top_k", "--top-k")
             .replace("top_p", "--top-p")
+            .replace("seed must", "--seed must")
         ) from e
 
 
@@ -307,6 +328,10 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
             seed=args.seed,
         )
     )
+    if args.adapter is not None and args.requests:
+        raise CliError(
+            "--adapter applies to --prompt; a requests file names each request's adapter"
+        )
     if args.adapter is not None and args.adapter not in {
         spec.partition("=")[0] for spec in args.lora
     }:
@@ -335,27 +360,32 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     else:
         if tokenizer is None:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
-        entries = [
-            (Request("0", tokenizer(args.prompt)["input_ids"], args.adapter, defaults), 0, None)
-        ]
+        ids = tokenizer(args.prompt)["input_ids"]
+        entries = [(Request("0", ids, args.adapter, defaults), "0", None)]
     outputs = engine.generate(
         [r for r, _, error in entries if error is None], progress=args.progress
     )
-    by_id = {o.id: o for o in outputs}
+    by_key = {o.id: o for o in outputs}
     results = []
-    for r, n, error in entries:
-        out = RequestOutput(r.id, r.adapter, error=error) if error is not None else by_id[r.id]
-        if out.error is not None and not out.error.startswith(f"line {n}:") and args.requests:
-            # refused by the engine: name the line as a parse error would
-            out.error = f"line {n}: {out.error}"
+    for r, out_id, error in entries:
+        out = by_key[r.id] if error is None else RequestOutput(r.id, r.adapter, error=error)
+        line = f"line {r.id.removeprefix('line-')}:"
+        if out.error is not None and not out.error.startswith(line) and args.requests:
+            out.error = f"{line} {out.error}"  # refused by the engine: name the line too
+        out.id = out_id
         results.append(_output_json(out, tokenizer))
-    if (
-        not args.requests and results[0].get("error") is not None
-    ):  # one prompt: its refusal is the command's
-        raise CliError(results[0]["error"])
+    if not args.requests and results[0].get("error") is not None:
+        raise CliError(results[0]["error"])  # one prompt: its refusal is the command's
     text = "".join(json.dumps(result) + "\n" for result in results)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as e:
+            stdout.write(text)
+            raise CliError(
+                f"--output {args.output}: cannot be written ({e.strerror or e}); "
+                "the results went to stdout"
+            ) from e
     else:
         stdout.write(text)
     return 0

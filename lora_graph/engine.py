@@ -88,7 +88,10 @@ def _is_int(v: object) -> bool:
 
 
 def _is_real(v: object) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)  # type: ignore[arg-type]
+    """A finite int or float (an int too large for a float is not: it overflows)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return _is_int(v) and abs(v) < 2**1000  # type: ignore[operator]
 
 
 @dataclass
@@ -424,7 +427,8 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p  # keep the first token always
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False  # the most likely token always stays (top_p may round to 0 in float32)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -314,7 +314,13 @@ class PipelineModelWithKVCache(abc.ABC):
             adapter = self.manager.lora_weight_adapter(self.weights_adapter)
         checkpoint = self._weights if self._weights is not None else read_checkpoint(self.model_dir)
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
-        missing, unexpected = root.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = root.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a size mismatch: config.json and the weights disagree
+            detail = str(e).strip().splitlines()[-1].strip()
+            raise ValueError(
+                f"{self.model_dir}: the checkpoint does not fit config.json ({detail})"
+            ) from e
         tied = (
             {k for k in missing if k.endswith(("lm_head.weight", "lm_head.base.weight"))}
             if getattr(self.config, "tie_word_embeddings", False)

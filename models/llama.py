@@ -365,10 +365,11 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     }
 
 
+# the Hugging Face module names (LlamaForCausalLM's, as PEFT keys them after base_model.model.)
 _MODULE_RE = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 )
-_TOP_RE = re.compile(r"(?:^|\.)(embed_tokens|lm_head)$")
+_TOP_MODULES = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _SLICE_TARGET = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
@@ -383,10 +384,10 @@ _SLICE_TARGET = {
 def lora_module_map(module: str) -> LoraModuleRef | None:
     """Place a checkpoint module (``model.layers.3.self_attn.q_proj``, ``lm_head``) on a
     target slice."""
-    m = _MODULE_RE.search(module)
+    m = _MODULE_RE.match(module)
     if m is None:
-        top = _TOP_RE.search(module)
-        return LoraModuleRef(top.group(1), 0, top.group(1)) if top else None
+        top = _TOP_MODULES.get(module)
+        return LoraModuleRef(top, 0, top) if top else None
     return LoraModuleRef(_SLICE_TARGET[m.group(2)], int(m.group(1)), m.group(2))
 
 

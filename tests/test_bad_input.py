@@ -70,6 +70,9 @@ BAD_REQUESTS = [
     ({"prompt": "hello"}, "either 'prompt' or 'prompt_token_ids', not both"),
     ({"adapter": "nope"}, "unknown adapter 'nope'"),
     ({"prompt_token_ids": [5] * 200}, "at most 127 fit"),
+    ({"temperature": 10**400}, "temperature must be a finite number"),
+    ({"top_p": 10**400, "temperature": 1.0}, "top_p must be a number in (0, 1]"),
+    ({"prompt": "\ud800 hi", "prompt_token_ids": None}, "either 'prompt' or 'prompt_token_ids'"),
 ]
 
 
@@ -83,6 +86,12 @@ def test_bad_request_values_are_error_lines_and_the_rest_are_served(
             1 + k % 3, json.dumps({"id": f"bad{k}", "prompt_token_ids": [5, 6, 7], **fields})
         )
     # valid extremes sample without failing
+    lines.append(
+        json.dumps(
+            {"id": "tiny_top_p", "prompt_token_ids": [5, 6], "temperature": 1.0, "top_p": 1e-46,
+             "seed": 1, "max_new_tokens": 2}
+        )
+    )  # fmt: skip
     lines.append(
         json.dumps(
             {
@@ -102,6 +111,7 @@ def test_bad_request_values_are_error_lines_and_the_rest_are_served(
         error = results[f"bad{k}"]["error"]
         assert message in error and error.startswith(f"line {line_of[f'bad{k}']}: "), error
     assert len(results["hot"]["token_ids"]) == 3
+    assert len(results["tiny_top_p"]["token_ids"]) == 2  # top_p rounds to 0 in float32: argmax
     _check_good(results, ref)
 
 
@@ -201,6 +211,53 @@ def test_progress_bar_on_stderr(tiny, tmp_path, capsys):
     assert "requests" in err and "3/3" in err
 
 
+def test_requests_file_problems_say_what(tiny, tmp_path, capsys):
+    """A file with no requests, a UTF-16 file, --adapter beside --requests, an output that
+    cannot be written: one line, exit 2; a prompt with a lone surrogate fails its own line;
+    an id-less line whose automatic id another request took is still served."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes('{"prompt": "hi"}'.encode("utf-16"))
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        json.dumps({"id": "line-2", "prompt_token_ids": [5, 6], "max_new_tokens": 2}) + "\n"
+        + json.dumps({"prompt_token_ids": [5, 7], "max_new_tokens": 2}) + "\n"
+        + json.dumps({"id": "s", "prompt": "\ud800 hi"}, ensure_ascii=True) + "\n"
+    )  # fmt: skip
+    cases = [
+        (["--requests", str(empty)], "no requests in the file"),
+        (["--requests", str(utf16)], "the file is UTF-16; save it as UTF-8"),
+        (["--requests", str(good), "--adapter", "A"], "--adapter applies to --prompt"),
+        (
+            ["--requests", str(good), "--output", "/proc/version"],
+            "--output /proc/version: cannot be written",
+        ),
+    ]
+    for extra, message in cases:
+        assert _run(tiny, extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    out = io.StringIO()
+    assert _run(tiny, ["--requests", str(good), "--output", "/dev/full"], stdout=out) == 2
+    assert "the results went to stdout" in capsys.readouterr().err
+    results = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["id"] for r in results] == ["line-2", "line-2", "s"]
+    assert len(results[0]["token_ids"]) == 2 and len(results[1]["token_ids"]) == 2
+    assert "line 3: prompt is not valid Unicode text" in results[2]["error"]
+
+
+def test_model_whose_config_does_not_fit_its_weights(tiny, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny.base, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    argv = ["generate", "--model", str(model), "--device", "cpu", "--prompt", "hi"]
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the checkpoint does not fit config.json" in err, err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
@@ -259,6 +316,13 @@ BAD_CONFIGS = [
     ),
     ({"layers_to_transform": [1]}, "module model.layers.0.mlp.down_proj has LoRA weights"),
     ({"peft_type": "lora"}, "peft_type 'lora' is not LoRA"),
+    ({"lora_alpha": 10**400}, "field 'lora_alpha' must be a finite number"),
+    ({"target_modules": None}, "field 'target_modules' is missing or null"),
+    ({"task_type": "BOGUS"}, "field 'task_type' must be null or one of"),
+    (
+        {"layers_to_transform": [0], "layers_pattern": "(?P<idx>layers)"},
+        "field 'layers_pattern' holds",
+    ),
     ({"r": 4}, "has rank-8 tensors (lora_A [8, 96]) but adapter_config.json's r is 4"),
 ]
 
@@ -293,6 +357,63 @@ def test_bad_adapter_config_is_refused_naming_file_and_field(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
     assert "'bad'" in err or str(path) in err
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+BAD_TENSORS = [
+    (lambda w: {k.removeprefix("base_model.model."): v for k, v in w.items()},
+     "lacks PEFT's 'base_model.model.' prefix"),
+    (lambda w: {k.replace(".model.model.", ".model.vision_tower.model."): v for k, v in w.items()},
+     "is outside the served targets"),
+    (lambda w: {k.replace(".weight", ".foo.weight"): v for k, v in w.items()},
+     "belongs to an adapter named 'foo'"),
+    (lambda w: {**w, f"{Q}.lora_A.other.weight": torch.zeros(8, 64),
+                f"{Q}.lora_B.other.weight": torch.zeros(64, 8)},
+     "belongs to an adapter named 'other'"),
+    (lambda w: {**w, f"{Q}.lora_A.default.weight": w[f"{Q}.lora_A.weight"].clone()},
+     f"{Q[17:]} has two lora_A tensors"),
+    (lambda w: {**w, f"{Q}.lora_A.weight": torch.zeros(0, 64),
+                f"{Q}.lora_B.weight": torch.zeros(64, 0)},
+     "has rank-0 tensors"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate, message", BAD_TENSORS, ids=[m for _, m in BAD_TENSORS])
+def test_adapter_tensors_peft_would_not_load_as_we_would_are_refused(
+    tiny, tmp_path, mutate, message, capsys
+):
+    """Keys PEFT would load differently (another adapter's name, no or a foreign prefix, two
+    copies of one module) or not at all: refused, never served approximately."""
+    path = tmp_path / "bad"
+    path.mkdir()
+    shutil.copy(tiny.adapters["A"] / "adapter_config.json", path)
+    weights = load_file(str(tiny.adapters["A"] / "adapter_model.safetensors"))
+    save_file(mutate(weights), str(path / "adapter_model.safetensors"))
+    argv = [
+        "generate",
+        "--model",
+        str(tiny.base),
+        "--device",
+        "cpu",
+        "--lora",
+        f"bad={path}",
+        "--prompt",
+        "hi",
+    ]
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "'bad'" in err, err
+
+
+def test_bin_that_is_not_a_state_dict(tiny, tmp_path):
+    pipe = make_pipeline(tiny, load=())
+    for i, obj in enumerate(({"a": 1}, [torch.zeros(1)], {"k": [torch.zeros(1)]})):
+        path = tmp_path / f"bin{i}"
+        path.mkdir()
+        shutil.copy(tiny.adapters["A"] / "adapter_config.json", path)
+        torch.save(obj, path / "adapter_model.bin")
+        with pytest.raises(AdapterError, match="not a state dict"):
+            pipe.manager.load_adapter(str(path), name=f"b{i}")
 
 
 def test_adapter_config_given_as_the_path(tiny, capsys):

@@ -72,14 +72,11 @@ def test_peft_feature_matches_peft(tiny, feature_adapters, case):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_weights_and_adapter_name_infix(tiny, tmp_path, dtype):
-    """Weights saved in half precision, keys with PEFT's adapter-name infix
-    (``lora_A.default.weight``) and without the ``base_model.model.`` prefix."""
+    """Weights saved in half precision, and keys with PEFT's adapter-name infix
+    (``lora_A.default.weight``), which PEFT loads as the adapter's own."""
     src = tiny.adapters["A"]
     weights = load_file(str(src / "adapter_model.safetensors"))
-    renamed = {
-        k.removeprefix("base_model.model.").replace(".weight", ".default.weight"): v.to(dtype)
-        for k, v in weights.items()
-    }
+    renamed = {k.replace(".weight", ".default.weight"): v.to(dtype) for k, v in weights.items()}
     out = tmp_path / "renamed"
     out.mkdir()
     save_file(renamed, str(out / "adapter_model.safetensors"))
@@ -99,6 +96,7 @@ def test_half_precision_weights_and_adapter_name_infix(tiny, tmp_path, dtype):
     batch = prompts(1, seed=52)
     got, want = run_prefill(pipe, batch * 2, ["renamed", "cast"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _peft_logits(tiny.base, out, batch)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
