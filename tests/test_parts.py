@@ -155,3 +155,15 @@ def test_configured_adapters_load_at_start_up(tiny):
                 adapters={"A": str(tiny.adapters["A"])}, adapter_digests={"A": "0" * 64}
             ),
         )
+
+
+def test_active_adapters_by_slot_and_adapter_info(tiny):
+    m = make_pipeline(tiny, load=("A", "B")).manager
+    m.activate_batch([Row("A"), Row("B"), Row(None)])
+    by_slot = m.active_adapters_by_slot([Row("A"), Row(None), Row("B"), Row("A")])
+    assert {slot: a.name for slot, a in by_slot.items()} == {
+        m.activate_adapter("A"): "A",
+        m.activate_adapter("B"): "B",
+    }
+    info = m.adapter_info(str(tiny.adapters["C"]))  # from the header alone
+    assert info.rank == 16 and info.unmapped == () and info.misfits == ()
