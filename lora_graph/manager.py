@@ -25,7 +25,7 @@ from lora_graph.checkpoint import AdapterReader, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layout import SlotLayout
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
-from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, group_batch, sort_lora_batch
+from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
 from lora_graph.targets import LoraModuleRef, LoraTarget
 from lora_graph.wrapping import LoRALayer, WeightsAdapter, lora_weight_adapter, wrap_model
@@ -424,9 +424,7 @@ class LoRAManager:
         Raises:
             ValueError: as :func:`lora_graph.routing.group_batch`.
         """
-        return self.routing.fill(
-            *group_batch(batch, row_offsets, self.slots.slot_of, self.config.max_slots)
-        )
+        return self.routing.route(batch, row_offsets, self.slots.slot_of)
 
     def get_lora_graph_inputs(
         self,

@@ -151,6 +151,16 @@ class RoutingBuffer:
         self._staged = torch.cuda.Event() if pin else None  # the last copy out of staging
         self.routing = Routing(*(self._device[sl] for sl in self._slices))
 
+    def route(self, batch: Sequence[HasAdapter], row_offsets: Sequence[int],
+              slot_of: Callable[[str], int | None]) -> Routing:  # fmt: skip
+        """The one way a step's routing is built: the groups of a sorted batch
+        (:func:`group_batch`), written in place (:meth:`fill`).
+
+        Raises:
+            ValueError: as :func:`group_batch`.
+        """
+        return self.fill(*group_batch(batch, row_offsets, slot_of, self.max_groups))
+
     def fill(self, slots: list[int], offsets: list[int], segments: list[int]) -> Routing:
         """Write groups (as :func:`group_batch` returns them) padded to ``G`` with empty
         slot-0 groups at the end, and return :attr:`routing`."""
