@@ -50,6 +50,14 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # per layer: "full_attention" or "sliding_attention" (transformers' layer_types)
+    layer_types: tuple[str, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def q_size(self) -> int:
@@ -86,6 +94,25 @@ class LlamaConfig:
         window = getattr(hf, "sliding_window", None)
         if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
             window = None
+        layer_types = tuple(getattr(hf, "layer_types", None) or ())
+        n = hf.num_hidden_layers
+        if not layer_types and model_type == "qwen2" and window is not None:
+            # transformers 4's Qwen2 rule: layers from max_window_layers on slide
+            first = getattr(hf, "max_window_layers", n)
+            layer_types = tuple(
+                "sliding_attention" if i >= first else "full_attention" for i in range(n)
+            )
+        if not layer_types:  # Mistral: the window, if any, on every layer
+            kind = "sliding_attention" if window is not None else "full_attention"
+            layer_types = (kind,) * n
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown or len(layer_types) != n:
+            raise ValueError(
+                f"unsupported attention: layer_types {list(layer_types)} (this model serves "
+                f"full_attention and sliding_attention, one per layer)"
+            )
+        if "sliding_attention" in layer_types and window is None:
+            raise ValueError("layer_types names sliding_attention but sliding_window is not set")
         return cls(
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -103,6 +130,7 @@ class LlamaConfig:
             o_bias=bias and model_type != "qwen2",
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
+            layer_types=layer_types,
         )
 
 
@@ -173,9 +201,10 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
+    def __init__(self, config: LlamaConfig, kv_cache: KVCache, window: int | None) -> None:
         super().__init__()
         self.config = config
+        self.window = window  # sliding window of this layer (None: full attention)
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
         )
@@ -198,9 +227,9 @@ class Attention(nn.Module):
         self.kv_cache.write(cache_rows, positions, k, v)
         if prefill:
             mask = positions[:, None, :, None] >= positions[:, None, None, :]
-            if c.sliding_window is not None:
+            if self.window is not None:
                 mask = mask & (
-                    positions[:, None, :, None] - positions[:, None, None, :] < c.sliding_window
+                    positions[:, None, :, None] - positions[:, None, None, :] < self.window
                 )
             groups = c.num_attention_heads // c.num_key_value_heads
             if (
@@ -224,8 +253,8 @@ class Attention(nn.Module):
             pos_c = torch.empty_like(positions).index_copy_(0, cache_rows, positions)
             key_pos = torch.arange(self.kv_cache.k.shape[2], device=x.device)
             mask = key_pos[None, :] <= pos_c
-            if c.sliding_window is not None:
-                mask = mask & (key_pos[None, :] > pos_c - c.sliding_window)
+            if self.window is not None:
+                mask = mask & (key_pos[None, :] > pos_c - self.window)
             out = F.scaled_dot_product_attention(
                 qc,
                 self.kv_cache.k[:bsz],
@@ -253,10 +282,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, kv_cache: KVCache) -> None:
+    def __init__(self, config: LlamaConfig, kv_cache: KVCache, window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, kv_cache)
+        self.self_attn = Attention(config, kv_cache, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -290,8 +319,9 @@ class LlamaModel(nn.Module):
             DecoderLayer(
                 config,
                 KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype),
+                config.window(i),
             )
-            for _ in range(config.num_hidden_layers)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -67,8 +67,15 @@ def make_hf_model(kind: str, seed: int = 0):
         bos_token_id=1,
         eos_token_id=2,
     )
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2))
+    if kind in ("qwen2", "qwen2_window"):
+        # qwen2_window: a sliding window of 4 on layer 1 only (max_window_layers=1), as
+        # transformers applies it; prompts of 3-12 tokens reach past it
+        window = (
+            dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+            if kind == "qwen2_window"
+            else {}
+        )
+        model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2, **window))
         with torch.no_grad():  # make the q/k/v biases visible
             for layer in model.model.layers:
                 for proj in (

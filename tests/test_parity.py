@@ -39,7 +39,7 @@ def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> lis
     return out
 
 
-@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2", "llama3"])
+@pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2", "qwen2_window", "llama3"])
 def test_mixed_batch_logits_match_peft(kind, tiny_factory, reference_factory):
     t = tiny_factory(kind)
     ref = reference_factory(t)
@@ -102,7 +102,7 @@ def test_base_only_batch_calls_no_lora_op(tiny):
     assert sum("lora_graph.lora_embedding_shrink" in n for n in mixed.names) == 1
 
 
-@pytest.mark.parametrize("kind", ["gqa", "qwen2"])
+@pytest.mark.parametrize("kind", ["gqa", "qwen2", "qwen2_window"])
 def test_greedy_generation_matches_peft(kind, tiny_factory, reference_factory):
     t = tiny_factory(kind)
     ref = reference_factory(t)

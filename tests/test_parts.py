@@ -167,3 +167,28 @@ def test_active_adapters_by_slot_and_adapter_info(tiny):
     }
     info = m.adapter_info(str(tiny.adapters["C"]))  # from the header alone
     assert info.rank == 16 and info.unmapped == () and info.misfits == ()
+
+
+def test_attention_types_read_per_layer_and_unknown_ones_refused():
+    """transformers' ``layer_types`` decide which layers slide (Qwen2: from
+    ``max_window_layers`` on; Mistral: every layer); a type this model does not implement is
+    refused at start-up."""
+    from transformers import LlamaConfig as HFLlama
+    from transformers import MistralConfig, Qwen2Config
+
+    from lora_graph.models import LlamaConfig
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+    qwen = LlamaConfig.from_hf(
+        Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    )
+    assert [qwen.window(i) for i in range(3)] == [None, None, 8]
+    assert (
+        LlamaConfig.from_hf(Qwen2Config(**small, sliding_window=8)).window(2) is None
+    )  # use_sliding_window off
+    mistral = LlamaConfig.from_hf(MistralConfig(**small, sliding_window=8))
+    assert [mistral.window(i) for i in range(3)] == [8, 8, 8]
+    odd = HFLlama(**small)
+    odd.layer_types = ["full_attention", "chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="unsupported attention: layer_types"):
+        LlamaConfig.from_hf(odd)
