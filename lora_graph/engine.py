@@ -208,27 +208,37 @@ class LLMEngine:
             )
 
     def _admit(self) -> list[_Sequence]:
+        """Admit waiting requests in arrival order while KV cache rows are free. A request
+        whose adapter cannot take a slot yet waits, and so does every later one that would
+        need a new slot (no overtaking for slots, so it is not starved); later requests that
+        need none (base rows, adapters already in the batch) go ahead of it."""
         admitted: list[_Sequence] = []
+        kept: list[_Sequence] = []
         manager = self.pipeline.manager
         names = {s.adapter for s in self.running if s.adapter is not None}
+        blocked = False
         while self.waiting and self._free_rows:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             if seq.adapter is not None and manager is not None:
+                if blocked and seq.adapter not in names:
+                    kept.append(seq)
+                    continue
                 try:
                     hold = manager.admit(seq.adapter, names)
                 except KeyError as e:  # unloaded while it waited
-                    self.waiting.popleft()
                     self.finished[seq.request.id] = RequestOutput(
                         seq.request.id, seq.adapter, error=e.args[0]
                     )
                     continue
                 if hold is None:  # its adapter cannot take a slot beside the running ones yet
-                    break
+                    blocked = True
+                    kept.append(seq)
+                    continue
                 names.add(seq.adapter)
                 seq.hold = hold
-            self.waiting.popleft()
             seq.cache_row = self._free_rows.pop(0)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(kept))
         return admitted
 
     def _release(self, seq: _Sequence) -> None:

@@ -129,3 +129,33 @@ def test_abort_frees_the_row_and_the_rest_run_on(tiny, reference_factory):
     assert engine.finished["2"].token_ids == ref.greedy(
         ids[2], "B", 6
     )  # B took the one slot after A's requests
+
+
+def test_requests_needing_no_slot_are_not_held_back_by_one_that_waits_for_a_slot(
+    tiny, reference_factory
+):
+    """One slot: A runs, B waits for the slot; base requests and another A request queued
+    behind B are admitted at once, a C request behind B waits for B (no overtaking for
+    slots); every output matches peft."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_slots=1, max_batch_size=8)
+    engine = LLMEngine(pipe)
+    batch = prompts(6, seed=81)
+    adapters = ["A", "B", None, "A", "C", None]
+    lengths = [12, 4, 4, 4, 4, 4]
+    reqs = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for i, (ids, a, n) in enumerate(zip(batch, adapters, lengths, strict=True))
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # admits and prefills
+    running = {s.request.id for s in engine.running}
+    assert running == {"0", "2", "3", "5"}  # B and C wait; the base and A requests do not
+    assert [s.request.id for s in engine.waiting] == ["1", "4"]
+    while engine.has_unfinished():
+        engine.step()
+    for r in reqs:
+        out = engine.finished.pop(r.id)
+        assert out.token_ids == ref.greedy(r.prompt_token_ids, r.adapter, len(out.token_ids)), r.id
+        assert len(out.token_ids) == r.sampling.max_new_tokens

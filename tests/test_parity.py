@@ -154,7 +154,9 @@ def test_fewer_slots_than_adapters_serves_everyone(tiny, reference_factory):
     outputs = engine.generate(requests)
     for req, out in zip(requests, outputs, strict=True):
         assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8)
-    assert pipe.manager.slot_loads >= 4  # adapters took turns in the one slot
+    # A, B and C took turns in the one slot; the second A and B requests joined their
+    # adapter's batch (requests needing no new slot are not held back)
+    assert pipe.manager.slot_loads == 3
 
 
 def test_steady_state_decode_copies_no_adapter_weights(tiny):
