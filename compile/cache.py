@@ -17,6 +17,7 @@ graph compiled while serving is counted in :attr:`GraphCache.recompiles`.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -112,8 +113,18 @@ class GraphCache:
         self._logits_index = torch.zeros(rows, dtype=torch.long, device=dev)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cudagraph" else None
         self.regions = list(pipeline.compile_regions())
+        # torch.compile keeps its backend alive in process-wide caches: hand it a weak
+        # reference, so that dropping the pipeline frees its weights, KV cache and slots
+        cache = weakref.ref(self)
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+            owner = cache()
+            if owner is None:
+                raise RuntimeError("the GraphCache of this compiled region was dropped")
+            return owner._backend(gm, example_inputs)
+
         for region in self.regions:
-            region.compile(backend=self._backend, fullgraph=True, dynamic=False)
+            region.compile(backend=backend, fullgraph=True, dynamic=False)
 
     # ---- keys ---------------------------------------------------------------------------
     def all_keys(self) -> list[Any]:

@@ -178,3 +178,20 @@ def test_engine_through_graphs_matches_eager_engine(pair):
     want = LLMEngine(eager).generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert compiled.graphs.recompiles == 0
+
+
+def test_a_dropped_pipeline_frees_its_memory(tiny):
+    """Deleting a compiled pipeline frees its weights, KV cache and slot pool (torch.compile
+    keeps its backend in process-wide caches; the graph cache is only weakly referenced)."""
+    import gc
+    import weakref
+
+    from conftest import make_pipeline
+
+    pipe = make_pipeline(tiny, load=("A",), max_batch_size=2)
+    pipe.enable_compile("inductor", decode_buckets=(1,), prefill_lengths=(), progress=False)
+    _decode(pipe, ["A"], [5], [3])
+    refs = [weakref.ref(x) for x in (pipe, pipe.model, pipe.manager.pool, pipe.graphs)]
+    del pipe
+    gc.collect()
+    assert all(r() is None for r in refs)
