@@ -11,6 +11,7 @@ the end of the KV cache row.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,13 +107,26 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """A finished request: generated ``token_ids`` (prompt excluded), or ``error``."""
+    """A finished request: generated ``token_ids`` (prompt excluded), or ``error``.
+
+    ``arrival_time`` (when :meth:`LLMEngine.add_request` took it) and ``token_times`` (when
+    each token was sampled) are ``time.perf_counter()`` seconds.
+    """
 
     id: str
     adapter: str | None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", or None with an error
     error: str | None = None
+    arrival_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first token (None without one)."""
+        if self.arrival_time is None or not self.token_times:
+            return None
+        return self.token_times[0] - self.arrival_time
 
 
 @dataclass
@@ -123,6 +137,8 @@ class _Sequence:
     tokens: list[int]
     generated: list[int] = field(default_factory=list)
     hold: AdapterRef | None = None  # the adapter version it was admitted under
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def adapter(self) -> str | None:
@@ -157,6 +173,7 @@ class LLMEngine:
         self._free_rows = list(range(pipeline.max_batch_size))
         self.steps = {"prefill": 0, "decode": 0}
         self.tokens_generated = 0
+        self._new_tokens: list[tuple[str, int]] = []
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -174,7 +191,9 @@ class LLMEngine:
             generator.manual_seed(
                 s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
             )
-        self.waiting.append(_Sequence(request, -1, generator, list(request.prompt_token_ids)))
+        seq = _Sequence(request, -1, generator, list(request.prompt_token_ids))
+        seq.arrival = time.perf_counter()
+        self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a waiting or running request: it finishes with ``error="aborted"`` (and the
@@ -255,13 +274,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self) -> None:
-        """Run one prefill (if requests were admitted) or one decode step.
+    def step(self) -> list[tuple[str, int]]:
+        """Run one prefill (if requests were admitted) or one decode step; return the
+        tokens it produced, ``(request id, token)`` in step order (a caller streams them).
 
         An adapter whose weights cannot be read back into a slot (its file was deleted or
         changed after it left the host tier) fails its own requests with an ``error``; the
         others are served on (admitted ones not yet prefilled go back to the queue).
         """
+        self._new_tokens: list[tuple[str, int]] = []
         admitted = self._admit()
         if admitted:
             # captured prefill graphs hold one request
@@ -275,7 +296,7 @@ class LLMEngine:
                     self._fail_adapter(
                         e.adapter, str(e), unstarted=[s for g in groups[i:] for s in g]
                     )
-                    return
+                    break
         elif self.running:
             try:
                 self._decode()
@@ -283,6 +304,7 @@ class LLMEngine:
                 if e.adapter is None:
                     raise
                 self._fail_adapter(e.adapter, str(e), unstarted=[])
+        return self._new_tokens
 
     def _fail_adapter(self, key: str, error: str, *, unstarted: list[_Sequence]) -> None:
         """Finish every request routed to adapter version ``key`` with ``error``; requeue, at
@@ -353,10 +375,9 @@ class LLMEngine:
     def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
         logits = logits.float().cpu()
         bad_rows = torch.isnan(logits).any(dim=-1).tolist()
+        now = time.perf_counter()
         for seq, row, bad in zip(seqs, logits, bad_rows, strict=True):
-            if (
-                bad
-            ):  # a fault of the model's numerics (a half-precision overflow), not of the request
+            if bad:  # a fault of the model's numerics (a half-precision overflow), not the request
                 self.running.remove(seq)
                 self._release(seq)
                 self.finished[seq.request.id] = RequestOutput(
@@ -371,12 +392,19 @@ class LLMEngine:
             self.tokens_generated += 1
             seq.tokens.append(token)
             seq.generated.append(token)
+            seq.token_times.append(now)
+            self._new_tokens.append((seq.request.id, token))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
                 self._release(seq)
                 self.finished[seq.request.id] = RequestOutput(
-                    seq.request.id, seq.request.adapter, seq.generated, reason
+                    seq.request.id,
+                    seq.request.adapter,
+                    seq.generated,
+                    reason,
+                    arrival_time=seq.arrival,
+                    token_times=seq.token_times,
                 )
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:

@@ -159,3 +159,25 @@ def test_requests_needing_no_slot_are_not_held_back_by_one_that_waits_for_a_slot
         out = engine.finished.pop(r.id)
         assert out.token_ids == ref.greedy(r.prompt_token_ids, r.adapter, len(out.token_ids)), r.id
         assert len(out.token_ids) == r.sampling.max_new_tokens
+
+
+def test_steps_hand_out_their_new_tokens_with_times(tiny):
+    """Each step returns the tokens it produced (what a server streams), in order, and a
+    finished request carries its arrival and per-token times."""
+    pipe = make_pipeline(tiny, max_batch_size=4)
+    engine = LLMEngine(pipe)
+    reqs = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=3 + i, ignore_eos=True))
+        for i, (ids, a) in enumerate(zip(prompts(3, seed=82), ["A", None, "B"], strict=True))
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    streamed: dict[str, list[int]] = {r.id: [] for r in reqs}
+    while engine.has_unfinished():
+        for rid, token in engine.step():
+            streamed[rid].append(token)
+    for r in reqs:
+        out = engine.finished.pop(r.id)
+        assert streamed[r.id] == out.token_ids and len(out.token_ids) == 3 + int(r.id)
+        assert len(out.token_times) == len(out.token_ids) and out.ttft >= 0
+        assert out.token_times == sorted(out.token_times)
