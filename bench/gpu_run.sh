@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh kernels   bench/kernels.py
 #   bash bench/gpu_run.sh decode    bench/decode.py (Triton backend, CUDA graphs) + bench/adapter_load.py
 #   bash bench/gpu_run.sh precision bench/precision.py
+#   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -23,6 +24,10 @@ for stage in "$@"; do
     decode)
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
+    serve)
+      python3 bench/serve.py --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
+      python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
+        2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
     precision)
       python3 bench/precision.py 2>&1 | grep "|" | tee "$OUT/precision.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -12,11 +12,11 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py"}
+WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py", "serve.py"}
 
 
 def test_every_benchmark_is_covered():
-    assert SCRIPTS == ["adapter_load.py", "decode.py", "kernels.py", "precision.py"]
+    assert SCRIPTS == ["adapter_load.py", "decode.py", "kernels.py", "precision.py", "serve.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,0 +1,317 @@
+"""A whole serving workload, end to end: many requests, prompts of mixed length, mixed
+adapters, arrivals over time.
+
+Random bfloat16 weights of Llama-3-8B shapes and random rank-16 PEFT adapters on all seven
+linears (as ``bench/decode.py``). The workload (every knob on the command line): ``--requests``
+prompts with lengths uniform in ``--prompt-len MIN MAX``, ``--output-len`` new tokens each
+(EOS ignored), each under one of ``--adapters`` adapters drawn by ``--popularity`` or, with
+probability ``--base-share``, the base model; all at once (``--rate inf``) or Poisson
+arrivals at ``--rate`` requests/s. It is served by:
+
+    base   the engine with LoRA disabled, every request on the base model
+    lora   the LoRA engine on the mixed workload
+    peft   transformers + peft (``generate`` one request at a time), on the first
+           ``--peft-requests`` requests only
+
+and for each prints wall time (first arrival to last token), output and total (prompt +
+output) tokens/s, time to first token and inter-token latency (p50, p90). Capture time is
+reported apart and not counted.
+
+    python bench/serve.py                      # the H200 run (writes bench/out/serve.json)
+    python bench/serve.py --rate 8             # Poisson arrivals, 8 requests/s
+    python bench/serve.py --smoke              # tiny shapes on the CPU, to check it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# the repository root instead of bench/ first on the path (bench/kernels.py must not shadow
+# the `kernels` package transformers looks for); decode.py's model and adapter makers
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--requests", type=int, default=256, help="requests in the workload (default: 256)"
+    )
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024], metavar=("MIN", "MAX"))
+    p.add_argument(
+        "--output-len", type=int, default=128, help="new tokens per request (default: 128)"
+    )
+    p.add_argument("--adapters", type=int, default=8, help="distinct adapters (default: 8)")
+    p.add_argument(
+        "--popularity",
+        default="skewed",
+        choices=["uniform", "zipf", "skewed"],
+        help="how requests pick adapters (skewed: half on one adapter; default)",
+    )
+    p.add_argument("--base-share", type=float, default=0.2, help="share of base-model requests")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals/s (default: inf, all at once)",
+    )
+    p.add_argument(
+        "--max-batch-size", type=int, default=64, help="requests in flight (default: 64)"
+    )
+    p.add_argument("--max-loras", type=int, default=8, help="device slots (default: 8)")
+    p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
+    p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
+    p.add_argument("--skip-base", action="store_true", help="do not run the base-only engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--json", default="bench/out/serve.json")
+    return p.parse_args()
+
+
+def workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dict]:
+    """The requests: prompt ids, adapter (None: base) and arrival offset in seconds."""
+    rng = random.Random(args.seed)
+    weights = {
+        "uniform": [1.0] * len(names),
+        "zipf": [1.0 / (i + 1) for i in range(len(names))],
+        "skewed": [0.5] + [0.5 / max(1, len(names) - 1)] * (len(names) - 1),
+    }[args.popularity][: len(names)]
+    t = 0.0
+    out = []
+    for i in range(args.requests):
+        n = rng.randint(*args.prompt_len)
+        adapter = (
+            None if rng.random() < args.base_share or not names else rng.choices(names, weights)[0]
+        )
+        out.append(
+            dict(
+                id=str(i),
+                prompt=[rng.randrange(3, vocab) for _ in range(n)],
+                adapter=adapter,
+                arrival=t,
+            )
+        )
+        if math.isfinite(args.rate):
+            t += rng.expovariate(args.rate)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict:
+    """Feed the requests at their arrival times, step until all finish; the metrics."""
+    from lora_graph.engine import Request, SamplingParams
+
+    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    pending = list(reqs)
+    start = time.perf_counter()
+    outputs = {}
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0]["arrival"] <= now:
+            r = pending.pop(0)
+            engine.add_request(
+                Request(r["id"], r["prompt"], None if base_only else r["adapter"], params)
+            )
+        if engine.has_unfinished():
+            engine.step()
+        elif pending:
+            time.sleep(max(0.0, pending[0]["arrival"] - now))
+        outputs.update(engine.finished)
+        engine.finished.clear()
+    wall = max(t for o in outputs.values() for t in o.token_times) - start
+    errors = [o.error for o in outputs.values() if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+    generated = sum(len(o.token_ids) for o in outputs.values())
+    prompt = sum(len(r["prompt"]) for r in reqs)
+    ttft = [o.ttft for o in outputs.values()]
+    itl = [
+        b - a
+        for o in outputs.values()
+        for a, b in zip(o.token_times, o.token_times[1:], strict=False)
+    ]
+    return dict(
+        wall_s=wall,
+        output_tok_s=generated / wall,
+        total_tok_s=(generated + prompt) / wall,
+        ttft_p50_ms=1e3 * pct(ttft, 0.5),
+        ttft_p90_ms=1e3 * pct(ttft, 0.9),
+        itl_p50_ms=1e3 * pct(itl, 0.5),
+        itl_p90_ms=1e3 * pct(itl, 0.9),
+        steps=dict(engine.steps),
+        requests=len(outputs),
+    )
+
+
+@torch.inference_mode()
+def serve_peft(hf, work: Path, names: list[str], reqs: list[dict], output_len: int) -> dict:
+    """transformers + peft, one request at a time (``generate``, greedy, EOS ignored)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf, str(work / names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(work / name), adapter_name=name)
+    dev = next(hf.parameters()).device
+    ttft, itl, generated = [], [], 0
+    start = time.perf_counter()
+    for r in reqs:
+        ids = torch.tensor([r["prompt"]], device=dev)
+        kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+        t0 = time.perf_counter()
+        if r["adapter"] is None:
+            with model.disable_adapter():
+                out = model.generate(input_ids=ids, **kwargs)
+        else:
+            model.set_adapter(r["adapter"])
+            out = model.generate(input_ids=ids, **kwargs)
+        elapsed = time.perf_counter() - t0
+        n = out.shape[1] - ids.shape[1]
+        generated += n
+        ttft.append(elapsed / n)  # (a lower bound: generate does not report the first token)
+        itl.append(elapsed / n)
+    wall = time.perf_counter() - start
+    prompt = sum(len(r["prompt"]) for r in reqs)
+    model.unload()
+    return dict(
+        wall_s=wall,
+        output_tok_s=generated / wall,
+        total_tok_s=(generated + prompt) / wall,
+        ttft_p50_ms=float("nan"),
+        ttft_p90_ms=float("nan"),
+        itl_p50_ms=1e3 * pct(itl, 0.5),
+        itl_p90_ms=1e3 * pct(itl, 0.9),
+        requests=len(reqs),
+    )
+
+
+def summary(m: dict) -> str:
+    return json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_graph import LoRAConfig
+    from lora_graph.engine import LLMEngine
+    from lora_graph.models import LlamaPipeline
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    shapes = dict(LLAMA3_8B)
+    if args.smoke:
+        shapes = dict(SMOKE)
+        args.requests, args.prompt_len, args.output_len = min(args.requests, 8), [4, 40], 4
+        args.max_batch_size, args.adapters, args.max_loras = 4, min(args.adapters, 3), 2
+        args.compile = "none" if args.compile == "cudagraph" else args.compile
+        args.peft_requests = min(args.peft_requests, 2)
+        if math.isfinite(args.rate):
+            args.rate = max(args.rate, 50.0)
+    max_seq_len = args.prompt_len[1] + args.output_len + 1
+    shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max_seq_len)
+    work = Path(tempfile.mkdtemp(prefix="lora_graph_serve_"))
+    hf_config = LlamaConfig(**shapes)
+    hf_config.save_pretrained(work / "base")
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    weights = dict(hf.state_dict())
+    names = [f"a{i}" for i in range(args.adapters)]
+    for i, name in enumerate(names):
+        write_adapter(work / name, shapes, 16, seed=100 + i)
+    reqs = workload(args, names, shapes["vocab_size"])
+    print(
+        f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
+        f"(mean {statistics.mean(len(r['prompt']) for r in reqs):.0f}), {args.output_len} new "
+        "tokens each, "
+        f"{sum(r['adapter'] is None for r in reqs)} base, adapters {args.popularity}, rate "
+        f"{args.rate}/s, "
+        f"{device}",
+        flush=True,
+    )
+    common = dict(
+        dtype=torch.bfloat16,
+        device=device,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=max_seq_len,
+        weights=weights,
+    )
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+        "runs": {},
+    }
+
+    def run(label: str, lora: LoRAConfig | None, base_only: bool) -> None:
+        pipe = LlamaPipeline(str(work / "base"), lora=lora, **common)
+        for name in names if lora is not None else []:
+            pipe.manager.load_adapter(str(work / name), name=name)
+        t0 = time.perf_counter()
+        if args.compile != "none":
+            pipe.enable_compile(args.compile, progress=False)
+        capture = time.perf_counter() - t0
+        engine = LLMEngine(pipe)
+        warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(reqs[:2])]
+        serve(engine, warm, 2, base_only=base_only)  # first-call costs out of the numbers
+        engine.steps = {"prefill": 0, "decode": 0}
+        m = serve(engine, reqs, args.output_len, base_only=base_only)
+        m["capture_s"] = capture
+        results["runs"][label] = m
+        print(f"{label}: {summary(m)}", flush=True)
+        del engine, pipe
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if not args.skip_base:
+        run("base", None, True)
+    run("lora", LoRAConfig(max_slots=args.max_loras, max_rank=16), False)
+    if args.peft_requests:
+        sub = reqs[: args.peft_requests]
+        m = serve_peft(hf, work, names, sub, args.output_len)
+        results["runs"][f"peft ({len(sub)} req)"] = m
+        print(f"peft: {summary(m)}", flush=True)
+
+    print()
+    print(
+        "| run | requests | wall s | output tok/s | total tok/s | TTFT p50 ms | TTFT p90 ms | ITL "
+        "p50 ms "
+        "| ITL p90 ms | capture s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, m in results["runs"].items():
+        print(
+            f"| {label} | {m['requests']} | {m['wall_s']:.2f} | {m['output_tok_s']:.0f} | "
+            f"{m['total_tok_s']:.0f} | "
+            f"{m['ttft_p50_ms']:.0f} | {m['ttft_p90_ms']:.0f} | {m['itl_p50_ms']:.1f} | "
+            f"{m['itl_p90_ms']:.1f} | "
+            f"{m.get('capture_s', float('nan')):.1f} |"
+        )
+    if "base" in results["runs"]:
+        ratio = results["runs"]["lora"]["wall_s"] / results["runs"]["base"]["wall_s"]
+        print(f"\nLoRA mixed / base-only wall time: {ratio:.2f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
