@@ -285,8 +285,13 @@ class LLMEngine:
         self._new_tokens: list[tuple[str, int]] = []
         admitted = self._admit()
         if admitted:
-            # captured prefill graphs hold one request
-            groups = [[seq] for seq in admitted] if self.pipeline.graphs is not None else [admitted]
+            groups = [admitted]
+            graphs = self.pipeline.graphs
+            if graphs is not None:  # a captured prefill graph holds one request; longer prompts
+                # than every bucket are prefilled together, in one eager call
+                fits = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is not None]
+                longer = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is None]
+                groups = [[s] for s in fits] + ([longer] if longer else [])
             for i, group in enumerate(groups):
                 try:
                     self._prefill(group)

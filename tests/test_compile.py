@@ -168,11 +168,13 @@ def test_engine_through_graphs_matches_eager_engine(pair):
 
     compiled, eager = pair
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    # five prompts within the 16-token prefill bucket (one graph replay each), two beyond it
+    # (prefilled together in one eager call)
+    batch = prompts(5, seed=33) + prompts(2, seed=34, min_len=20, max_len=30)
+    adapters = ["A", None, "B", "C", "D", "A", None]
     reqs = [
         Request(str(i), p, a, sampling)
-        for i, (p, a) in enumerate(
-            zip(prompts(5, seed=33), ["A", None, "B", "C", "D"], strict=True)
-        )
+        for i, (p, a) in enumerate(zip(batch, adapters, strict=True))
     ]
     got = LLMEngine(compiled).generate(reqs)
     want = LLMEngine(eager).generate(reqs)
