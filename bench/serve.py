@@ -252,12 +252,10 @@ def main() -> None:
         write_adapter(work / name, shapes, 16, seed=100 + i)
     reqs = workload(args, names, shapes["vocab_size"])
     print(
-        f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
-        f"(mean {statistics.mean(len(r['prompt']) for r in reqs):.0f}), {args.output_len} new "
-        "tokens each, "
-        f"{sum(r['adapter'] is None for r in reqs)} base, adapters {args.popularity}, rate "
-        f"{args.rate}/s, "
-        f"{device}",
+        f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "
+        f"{statistics.mean(len(r['prompt']) for r in reqs):.0f}), {args.output_len} new tokens "
+        f"each, {sum(r['adapter'] is None for r in reqs)} base, adapters {args.popularity}, rate "
+        f"{args.rate}/s, {device}",
         flush=True,
     )
     common = dict(
@@ -304,19 +302,16 @@ def main() -> None:
 
     print()
     print(
-        "| run | requests | wall s | output tok/s | total tok/s | TTFT p50 ms | TTFT p90 ms | ITL "
-        "p50 ms "
-        "| ITL p90 ms | capture s |"
+        "| run | requests | wall s | output tok/s | total tok/s | TTFT p50 ms | TTFT p90 ms | "
+        "ITL p50 ms | ITL p90 ms | capture s |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, m in results["runs"].items():
-        print(
-            f"| {label} | {m['requests']} | {m['wall_s']:.2f} | {m['output_tok_s']:.0f} | "
-            f"{m['total_tok_s']:.0f} | "
-            f"{m['ttft_p50_ms']:.0f} | {m['ttft_p90_ms']:.0f} | {m['itl_p50_ms']:.1f} | "
-            f"{m['itl_p90_ms']:.1f} | "
-            f"{m.get('capture_s', float('nan')):.1f} |"
-        )
+        cells = [label, m["requests"], f"{m['wall_s']:.2f}", f"{m['output_tok_s']:.0f}",
+                 f"{m['total_tok_s']:.0f}", f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p90_ms']:.0f}",
+                 f"{m['itl_p50_ms']:.1f}", f"{m['itl_p90_ms']:.1f}",
+                 f"{m.get('capture_s', float('nan')):.1f}"]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
     if "base" in results["runs"]:
         ratio = results["runs"]["lora"]["wall_s"] / results["runs"]["base"]["wall_s"]
         print(f"\nLoRA mixed / base-only wall time: {ratio:.2f}")

@@ -1,14 +1,14 @@
 """The graph cache: every bucket captured at start-up, with LoRA and base-only.
 
 The repeated decoder layer is compiled (``torch.compile``, ``fullgraph=True``; one graph
-per key serves every layer, so start-up compiles a layer, not the whole stack), and the
-step around it is captured per key. Each capture key gets its own step over persistent
-input buffers (tokens, positions, KV cache rows, logits index), allocated once at the
-largest bucket; the LoRA inputs are the manager's persistent routing buffer and the slot
-pool the LoRA layers view. A step is padded up to its bucket, copied into the buffers, and
-replayed: ``torch.compile`` (inductor) graphs everywhere, and on CUDA, optionally a
-``torch.cuda.CUDAGraph`` captured by hand over the compiled step, so a replay is one graph
-launch.
+per key serves every layer, so start-up compiles a layer, not the whole stack). Every key
+runs its step over views of one set of persistent input buffers (tokens, positions, KV
+cache rows, logits index), allocated once at the largest bucket; the LoRA inputs are the
+manager's persistent routing buffer and the slot pool the LoRA layers view. A step is
+padded up to its bucket and copied into the buffers. In ``inductor`` mode the Python step
+then runs around the compiled layer graphs; in ``cudagraph`` mode (CUDA) a
+``torch.cuda.CUDAGraph`` captured by hand per key over that step is replayed, one graph
+launch a step.
 
 Nothing recompiles after start-up: the backend records every graph it is given, and a
 graph compiled while serving is counted in :attr:`GraphCache.recompiles`.

@@ -74,8 +74,7 @@ def main() -> None:
         kind = "no LoRA op" if isinstance(key, LoraBaseOnly) else ", ".join(sorted(graph.lora_ops))
         print(
             f"  {str(key):42s} layer graphs compiled: {graph.compiles}  layer graph inputs: "
-            f"{graph.inputs}  "
-            f"LoRA ops: {kind}"
+            f"{graph.inputs}  LoRA ops: {kind}"
         )
 
     names = []

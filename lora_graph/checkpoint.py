@@ -108,8 +108,7 @@ def resolve_adapter(path: str) -> AdapterSource:
     elif not bare:
         raise AdapterError(
             f"{path}: no adapter_config.json in the adapter directory (PEFT saves it beside the "
-            "weights; "
-            "without it the scale lora_alpha / r is unknown)"
+            "weights; without it the scale lora_alpha / r is unknown)"
         )
     return AdapterSource(path, config, weights)
 
@@ -508,17 +507,15 @@ class AdapterReader:
         init = config.get("init_lora_weights", True)
         if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
             raise AdapterError(
-                f"adapter {name!r}: init_lora_weights={init!r} rewrites the base weights; convert "
-                "it to "
-                "plain LoRA first (PEFT: save_pretrained(..., "
+                f"adapter {name!r}: init_lora_weights={init!r} rewrites the base weights; "
+                "convert it to plain LoRA first (PEFT: save_pretrained(..., "
                 "path_initial_model_for_weight_conversion=...))"
             )
         for key, value in config.items():
             if key not in _CONFIG_FIELDS and value not in (None, False, 0, "", [], {}):
                 raise AdapterError(
                     f"adapter {name!r}: adapter_config.json sets {key}={value!r}, a LoRA variant "
-                    "this "
-                    "engine does not serve"
+                    "this engine does not serve"
                 )
 
     def modules(
@@ -561,8 +558,8 @@ class AdapterReader:
         if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
             raise AdapterError(
                 f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
-                "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can be "
-                "served"
+                "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can "
+                "be served"
             )
         # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
         # r is the tensors' rank and the scale is 1
@@ -606,15 +603,13 @@ class AdapterReader:
             if cfg and not peft_targets_module(cfg, module):
                 raise AdapterError(
                     f"adapter {name!r}: module {module} has LoRA weights, but "
-                    "adapter_config.json's "
-                    f"target_modules {cfg.get('target_modules')!r} does not select it (PEFT would "
-                    "load the adapter without them)"
+                    f"adapter_config.json's target_modules {cfg.get('target_modules')!r} does "
+                    "not select it (PEFT would load the adapter without them)"
                 )
             if embedding != (target.kind == "embedding"):
+                article = "an" if target.kind == "embedding" else "a"
                 misfits.append(
-                    f"{module} (lora_{a_name}/lora_{b_name} on "
-                    f"a{'n' if target.kind == 'embedding' else ''} "
-                    f"{target.kind} target)"
+                    f"{module} (lora_{a_name}/lora_{b_name} on {article} {target.kind} target)"
                 )
                 continue
             if ref.layer not in target.layer_ids(self.num_layers):
@@ -633,11 +628,10 @@ class AdapterReader:
                 or tuple(b_shape) != expected_b
             ):
                 vocab = target.kind == "embedding" or target.per_segment
+                cause = "a resized vocabulary" if vocab else "another model size"
                 misfits.append(
                     f"{module} (A {list(a_shape)}, B {list(b_shape)}; expected A "
-                    f"{list(expected_a)}, "
-                    f"B {list(expected_b)}: "
-                    f"{'a resized vocabulary' if vocab else 'another model size'}?)"
+                    f"{list(expected_a)}, B {list(expected_b)}: {cause}?)"
                 )
                 continue
             r_cfg = int(_pattern_value(rank_pattern, module, r_default or rank))

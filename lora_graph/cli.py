@@ -289,10 +289,8 @@ def _check_output(path: str | None) -> None:
         return
     out = Path(path)
     if out.is_dir() or not out.parent.is_dir():
-        raise CliError(
-            f"--output {path}: "
-            f"{'is a directory' if out.is_dir() else 'its directory does not exist'}"
-        )
+        why = "is a directory" if out.is_dir() else "its directory does not exist"
+        raise CliError(f"--output {path}: {why}")
     existed = out.exists()
     try:
         with open(out, "a"):
@@ -471,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         default="none",
         choices=["none", "inductor", "cudagraph"],
-        help="step execution: eager, torch.compile (inductor), or CUDA graphs over it (default: "
-        "none)",
+        help="step execution: eager, torch.compile (inductor), or CUDA graphs over it "
+        "(default: none)",
     )
 
     gen = sub.add_parser(

@@ -62,8 +62,7 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
-                "numerically "
-                "unstable; use 0 for greedy"
+                "numerically unstable; use 0 for greedy"
             )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
@@ -287,8 +286,9 @@ class LLMEngine:
         if admitted:
             groups = [admitted]
             graphs = self.pipeline.graphs
-            if graphs is not None:  # a captured prefill graph holds one request; longer prompts
-                # than every bucket are prefilled together, in one eager call
+            if graphs is not None:
+                # a captured prefill graph holds one request; prompts longer than every
+                # bucket are prefilled together, in one eager call
                 fits = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is not None]
                 longer = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is None]
                 groups = [[s] for s in fits] + ([longer] if longer else [])
@@ -447,10 +447,7 @@ class LLMEngine:
                 bar.update(len(self.finished) - finished)
                 finished = len(self.finished)
                 rate = (self.tokens_generated - tokens) / max(bar.format_dict["elapsed"], 1e-3)
-                bar.set_postfix_str(
-                    f"{rate:.1f} tok/s",
-                    refresh=False,
-                )
+                bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         return [self.finished.pop(i) for i in ids]
 
 

@@ -240,8 +240,8 @@ class LoRAManager:
             ):
                 raise AdapterError(
                     f"adapter {name!r}: its saved base weight of {ref.target} differs from the "
-                    "served model's "
-                    "(trained with its own embedding or LM head?); only LoRA pairs can be served"
+                    "served model's (trained with its own embedding or LM head?); only LoRA "
+                    "pairs can be served"
                 )
 
     def _check_pin(self, name: str) -> None:
@@ -260,9 +260,9 @@ class LoRAManager:
         held = self.registry.held_keys()
         if len(held | pinned | {name}) > self.config.max_slots:
             raise NoFreeSlotError(
-                f"adapter {name!r}: pinning it would leave too few of the {self.config.max_slots} "
-                "slots "
-                f"for the {len(held)} adapters that requests in flight use"
+                f"adapter {name!r}: pinning it would leave too few of the "
+                f"{self.config.max_slots} slots for the {len(held)} adapters that requests in "
+                "flight use"
             )
 
     def _retire(self, name: str) -> None:

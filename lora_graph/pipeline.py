@@ -88,8 +88,7 @@ def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
         ) as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
             raise ValueError(
                 f"{path}: not a readable {'torch' if path.endswith('.bin') else 'safetensors'} "
-                "checkpoint "
-                f"({e})"
+                f"checkpoint ({e})"
             ) from e
 
     for single, index in (
@@ -253,8 +252,7 @@ class PipelineModelWithKVCache(abc.ABC):
         gib = 2**30
         raise MemoryBudgetError(
             f"the KV cache for max_batch_size {self.max_batch_size} x max_seq_len "
-            f"{self.max_seq_len} needs "
-            f"{kv / gib:.1f} GiB"
+            f"{self.max_seq_len} needs {kv / gib:.1f} GiB"
             + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
             + f", but {free / gib:.1f} GiB is free on {self.device.type}"
             + (f"; at most max_batch_size {fits} fits at this max_seq_len" if fits else "")
@@ -367,8 +365,11 @@ class PipelineModelWithKVCache(abc.ABC):
         if prefill_lengths is None:
             prefill_lengths = sorted({min(t, self.max_seq_len) for t in (64, 256)})
         self.graphs = GraphCache(
-            self, mode=mode, decode_buckets=decode_buckets, prefill_lengths=prefill_lengths
-        )  # type: ignore[arg-type]
+            self,
+            mode=mode,  # type: ignore[arg-type]
+            decode_buckets=decode_buckets,
+            prefill_lengths=prefill_lengths,
+        )
         self.graphs.capture(progress=progress)
         return self.graphs
 
@@ -411,9 +412,8 @@ class PipelineModelWithKVCache(abc.ABC):
             graph = self.graphs.lookup(inputs)
             if graph is not None:
                 return self.graphs.run(inputs, graph)
-            with torch.compiler.set_stance(
-                "force_eager"
-            ):  # an uncaptured shape: run, don't compile
+            # an uncaptured shape: run, don't compile
+            with torch.compiler.set_stance("force_eager"):
                 return self._execute_eager(inputs)
         return self._execute_eager(inputs)
 

@@ -26,7 +26,9 @@ per-segment target given one row per request, ``(lora_ids, segment_offsets, segm
 offsets built here is exactly the group whose range holds ``t``.
 
 :class:`RoutingBuffer` owns the persistent device buffer the five tensors are views of (a
-captured graph reads them in place) and refills it with one host-to-device copy a step.
+captured graph reads them in place); :meth:`RoutingBuffer.route` builds a step's routing
+from the sorted batch and refills the buffer with one host-to-device copy. Each step,
+``PipelineModelWithKVCache.prepare`` calls it through ``LoRAManager.route``.
 """
 
 from __future__ import annotations
@@ -141,9 +143,8 @@ class RoutingBuffer:
         self.max_groups = max_groups
         g = max_groups
         sizes = (g, g + 1, 1, g + 1, 1)
-        starts = [
-            sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))
-        ]  # 16-byte aligned views
+        # each view starts on a 16-byte boundary
+        starts = [sum(-(-n // 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]
         self._slices = [slice(start, start + n) for start, n in zip(starts, sizes, strict=True)]
         pin = device.type == "cuda"
         self._device = torch.zeros(self._slices[-1].stop, dtype=torch.int32, device=device)

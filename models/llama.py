@@ -232,9 +232,8 @@ class Attention(nn.Module):
                     positions[:, None, :, None] - positions[:, None, None, :] < self.window
                 )
             groups = c.num_attention_heads // c.num_key_value_heads
-            if (
-                groups > 1
-            ):  # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
+            # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
+            if groups > 1:
                 k = (
                     k[:, :, None]
                     .expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim)
