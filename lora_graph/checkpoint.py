@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from lora_graph.config import AdapterError, AdapterInfo
+from lora_graph.config import AdapterError, AdapterInfo, is_finite_number, is_int
 from lora_graph.layout import SlotLayout
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
@@ -156,17 +156,6 @@ def _json_type(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    """A finite int or float (an int too large for a float is not: it overflows)."""
-    if isinstance(v, float):
-        return math.isfinite(v)
-    return _is_int(v) and abs(v) < 2**1000
-
-
 def _is_str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
@@ -193,9 +182,9 @@ _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "peft_version": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "inference_mode": (lambda v: isinstance(v, bool), "true or false"),
     "auto_mapping": (lambda v: v is None or isinstance(v, dict), "an object or null"),
-    "r": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
-    "lora_alpha": (_is_number, "a finite number"),
-    "lora_dropout": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "r": (lambda v: is_int(v) and v >= 1, "a positive integer"),
+    "lora_alpha": (is_finite_number, "a finite number"),
+    "lora_dropout": (lambda v: is_finite_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
     "target_modules": (
         lambda v: v is None or isinstance(v, str) or _is_str_list(v),
@@ -206,7 +195,7 @@ _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "a string, a list of strings or null",
     ),
     "layers_to_transform": (
-        lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+        lambda v: v is None or is_int(v) or (isinstance(v, list) and all(map(is_int, v))),
         "an integer, a list of integers or null",
     ),
     "layers_pattern": (
@@ -215,12 +204,12 @@ _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "rank_pattern": (
         lambda v: (
-            v is None or (isinstance(v, dict) and all(_is_int(x) and x >= 1 for x in v.values()))
+            v is None or (isinstance(v, dict) and all(is_int(x) and x >= 1 for x in v.values()))
         ),
         "an object of positive integers",
     ),
     "alpha_pattern": (
-        lambda v: v is None or (isinstance(v, dict) and all(map(_is_number, v.values()))),
+        lambda v: v is None or (isinstance(v, dict) and all(map(is_finite_number, v.values()))),
         "an object of finite numbers",
     ),
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
+
+
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (JSON's true/false are not counts)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_finite_number(v: Any) -> bool:
+    """A finite int or float, not a bool; an int too large for a float is not (it overflows)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return is_int(v) and abs(v) < 2**1000
 
 
 class AdapterError(ValueError):

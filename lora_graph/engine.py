@@ -10,7 +10,6 @@ the end of the KV cache row.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lora_graph.config import AdapterError, LoraReqConfig
+from lora_graph.config import AdapterError, LoraReqConfig, is_finite_number, is_int
 from lora_graph.manager import AdapterRef
 from lora_graph.pipeline import PipelineModelWithKVCache
 
@@ -53,45 +52,33 @@ class SamplingParams:
         Raises:
             ValueError: naming the first bad field and its value.
         """
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(
                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
             )
-        if not _is_real(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
                 "numerically unstable; use 0 for greedy"
             )
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
-            map(_is_int, self.stop_token_ids)
+            map(is_int, self.stop_token_ids)
         ):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
 
 
-MIN_TEMPERATURE = (
-    1e-2  # below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
-)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    """A finite int or float (an int too large for a float is not: it overflows)."""
-    if isinstance(v, float):
-        return math.isfinite(v)
-    return _is_int(v) and abs(v) < 2**1000  # type: ignore[operator]
+# below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
@@ -289,9 +276,13 @@ class LLMEngine:
             if graphs is not None:
                 # a captured prefill graph holds one request; prompts longer than every
                 # bucket are prefilled together, in one eager call
-                fits = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is not None]
-                longer = [s for s in admitted if graphs.prefill_length(len(s.tokens)) is None]
-                groups = [[s] for s in fits] + ([longer] if longer else [])
+                groups, longer = [], []
+                for s in admitted:
+                    if graphs.prefill_length(len(s.tokens)) is None:
+                        longer.append(s)
+                    else:
+                        groups.append([s])
+                groups += [longer] if longer else []
             for i, group in enumerate(groups):
                 try:
                     self._prefill(group)
@@ -378,8 +369,8 @@ class LLMEngine:
         self._sample_and_advance(seqs, logits[: len(seqs)])
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
+        bad_rows = torch.isnan(logits).any(dim=-1).tolist()  # on the device: one small copy
         logits = logits.float().cpu()
-        bad_rows = torch.isnan(logits).any(dim=-1).tolist()
         now = time.perf_counter()
         for seq, row, bad in zip(seqs, logits, bad_rows, strict=True):
             if bad:  # a fault of the model's numerics (a half-precision overflow), not the request

@@ -81,10 +81,6 @@ class SlotPool:
     def slot_of(self, key: str) -> int | None:
         return self._owner.get(key)
 
-    def keys(self) -> list[str]:
-        """Owners in LRU order, oldest first."""
-        return list(self._owner)
-
     @property
     def owners(self) -> list[str | None]:
         """The key each slot holds, slot 0 (the zero adapter) included: None."""
