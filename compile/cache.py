@@ -1,14 +1,16 @@
-"""The graph cache: every bucket captured at start-up, with LoRA and base-only.
+"""The graph cache: the packed step captured at start-up per token bucket, with LoRA and
+base-only.
 
 The repeated decoder layer is compiled (``torch.compile``, ``fullgraph=True``; one graph
-per key serves every layer, so start-up compiles a layer, not the whole stack). Every key
-runs its step over views of one set of persistent input buffers (tokens, positions, KV
-cache rows, logits index), allocated once at the largest bucket; the LoRA inputs are the
-manager's persistent routing buffer and the slot pool the LoRA layers view. A step is
-padded up to its bucket and copied into the buffers. In ``inductor`` mode the Python step
-then runs around the compiled layer graphs; in ``cudagraph`` mode (CUDA) a
-``torch.cuda.CUDAGraph`` captured by hand per key over that step is replayed, one graph
-launch a step.
+per key serves every layer of one attention type, so start-up compiles a layer, not the
+whole stack). A key is a step width (:class:`~lora_graph.compile.keys.CaptureKey`:
+``tokens`` positions, ``seqs = min(tokens, max_batch_size)`` requests). Every key runs its
+step over views of the pipeline's persistent :class:`~lora_graph.step.StepBuffer` (the
+step inputs the model declares) and the manager's persistent routing buffer; the LoRA
+layers view the slot pool. ``prepare`` pads a step to its bucket and writes it into the
+buffers. In ``inductor`` mode the Python step then runs around the compiled layer graphs;
+in ``cudagraph`` mode (CUDA) a ``torch.cuda.CUDAGraph`` captured by hand per key over that
+step is replayed, one graph launch a step.
 
 Nothing recompiles after start-up: the backend records every graph it is given, and a
 graph compiled while serving is counted in :attr:`GraphCache.recompiles`.
@@ -61,56 +63,40 @@ def _op_names(gm: torch.fx.GraphModule) -> frozenset[str]:
 
 
 class GraphCache:
-    """Captures and replays a pipeline's step per capture key.
+    """Captures and replays a pipeline's packed step per token bucket.
 
     Args:
         pipeline: a loaded :class:`~lora_graph.pipeline.PipelineModelWithKVCache`.
         mode: ``"inductor"`` (``torch.compile``, ``fullgraph=True``) or ``"cudagraph"``
             (the same, then captured by hand in a ``torch.cuda.CUDAGraph``; CUDA only).
-        decode_buckets: decode batch sizes to capture (each at most ``max_batch_size``).
-        prefill_lengths: prompt length buckets for single-request prefill graphs.
+        token_buckets: step widths in tokens to capture (each at most the pipeline's
+            ``max_num_batched_tokens``).
 
     Raises:
-        ValueError: for a bucket larger than the KV cache allows, or ``cudagraph`` off CUDA.
+        ValueError: for a bucket wider than the step buffer, or ``cudagraph`` off CUDA.
     """
 
     def __init__(
-        self,
-        pipeline: Any,
-        *,
-        mode: Mode = "inductor",
-        decode_buckets: Sequence[int] = (1, 2, 4, 8),
-        prefill_lengths: Sequence[int] = (32,),
+        self, pipeline: Any, *, mode: Mode = "inductor", token_buckets: Sequence[int] = (8,)
     ) -> None:
         if mode not in ("inductor", "cudagraph"):
             raise ValueError(f"mode must be inductor or cudagraph, got {mode!r}")
         if mode == "cudagraph" and pipeline.device.type != "cuda":
             raise ValueError("cudagraph mode needs a CUDA device")
-        decode_buckets = sorted(set(decode_buckets))
-        prefill_lengths = sorted(set(prefill_lengths))
-        if decode_buckets[-1] > pipeline.max_batch_size:
+        token_buckets = sorted(set(token_buckets))
+        if not token_buckets or token_buckets[0] < 1:
+            raise ValueError(f"token buckets must be positive, got {token_buckets}")
+        if token_buckets[-1] > pipeline.max_num_batched_tokens:
             raise ValueError(
-                f"decode bucket {decode_buckets[-1]} exceeds max_batch_size "
-                f"{pipeline.max_batch_size}"
-            )
-        if prefill_lengths and prefill_lengths[-1] > pipeline.max_seq_len:
-            raise ValueError(
-                f"prefill length {prefill_lengths[-1]} exceeds max_seq_len {pipeline.max_seq_len}"
+                f"token bucket {token_buckets[-1]} exceeds max_num_batched_tokens "
+                f"{pipeline.max_num_batched_tokens}"
             )
         self.pipeline = pipeline
         self.mode = mode
-        self.decode_buckets = decode_buckets
-        self.prefill_lengths = prefill_lengths
+        self.token_buckets = token_buckets
         self.graphs: dict[Any, CapturedGraph] = {}
         self.recompiles = 0
         self._capturing: Any = None
-        dev = pipeline.device
-        rows = max(decode_buckets)
-        cols = max(prefill_lengths, default=1)
-        self._tokens = torch.zeros(rows, cols, dtype=torch.long, device=dev)
-        self._positions = torch.zeros(rows, cols, dtype=torch.long, device=dev)
-        self._cache_rows = torch.arange(rows, dtype=torch.long, device=dev)
-        self._logits_index = torch.zeros(rows, dtype=torch.long, device=dev)
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cudagraph" else None
         self.regions = list(pipeline.compile_regions())
         # torch.compile keeps its backend alive in process-wide caches: hand it a weak
@@ -128,53 +114,32 @@ class GraphCache:
 
     # ---- keys ---------------------------------------------------------------------------
     def all_keys(self) -> list[Any]:
-        keys: list[Any] = [CaptureKey("decode", b) for b in self.decode_buckets]
-        keys += [CaptureKey("prefill", 1, t) for t in self.prefill_lengths]
+        keys = [self._key(t) for t in self.token_buckets]
         with_lora = self.pipeline.manager is not None
         return [
             k2 for k in keys for k2 in ((k, LoraBaseOnly(k)) if with_lora else (LoraBaseOnly(k),))
         ]
 
-    def decode_width(self, n: int) -> int:
-        """The decode bucket a batch of ``n`` rows is padded to.
+    def _key(self, tokens: int) -> CaptureKey:
+        return CaptureKey(tokens, min(tokens, self.pipeline.max_batch_size))
 
-        Raises:
-            ValueError: if ``n`` exceeds the largest bucket.
-        """
-        for b in self.decode_buckets:
-            if b >= n:
-                return b
-        raise ValueError(
-            f"a decode batch of {n} rows exceeds the largest bucket {self.decode_buckets[-1]}"
-        )
-
-    def prefill_length(self, n: int) -> int | None:
-        """The prefill length bucket a prompt of ``n`` tokens is padded to (None: too long
-        for any bucket; such a prompt runs eagerly)."""
-        return next((t for t in self.prefill_lengths if t >= n), None)
+    def width(self, tokens: int, seqs: int) -> tuple[int, int]:
+        """The width ``(T, S)`` a step of ``tokens`` tokens from ``seqs`` requests is padded
+        to: its bucket, or its own size if no bucket holds it (it then runs eagerly)."""
+        for t in self.token_buckets:
+            key = self._key(t)
+            if t >= tokens and key.seqs >= seqs:
+                return key.tokens, key.seqs
+        return tokens, seqs
 
     def key_for(self, inputs: Any) -> Any:
-        """The capture key of a step: its phase and bucket, base-only if no LoRA inputs."""
-        b, t = inputs.tokens.shape
-        key = (
-            CaptureKey("prefill", b, self.prefill_length(t) or t)
-            if inputs.prefill
-            else CaptureKey("decode", self.decode_width(b))
-        )
+        """The capture key of a step: its width, base-only if it has no LoRA inputs."""
+        key = CaptureKey(*inputs.width)
         return key if inputs.routing is not None else LoraBaseOnly(key)
 
     # ---- capture ------------------------------------------------------------------------
-    def _step(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache_rows: Tensor,
-        logits_index: Tensor,
-        routing: Routing | None = None,
-        *,
-        prefill: bool,
-    ) -> Tensor:
-        return self.pipeline.model(tokens, positions, cache_rows, logits_index, prefill, routing)
+    def _step(self, inputs: dict[str, Tensor], routing: Routing | None) -> Tensor:
+        return self.pipeline.model(**inputs, routing=routing)
 
     def _backend(
         self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]
@@ -192,28 +157,22 @@ class GraphCache:
             graph.compiles += 1
         return compile_fx(gm, example_inputs)
 
-    def _static_args(self, key: Any) -> tuple[Any, ...]:
+    def _static_args(self, key: Any) -> tuple[dict[str, Tensor], Routing | None]:
         k = node_capture_key(key)
-        args = (
-            self._tokens[: k.batch, : k.seq_len],
-            self._positions[: k.batch, : k.seq_len],
-            self._cache_rows[: k.batch],
-            self._logits_index[: k.batch],
-        )
-        if is_base_only(key):
-            return args
-        return (*args, self.pipeline.manager.routing.routing)
+        views = self.pipeline.step_buffer.views((k.tokens, k.seqs))
+        return views, (None if is_base_only(key) else self.pipeline.manager.routing.routing)
 
     def capture(self, *, progress: bool = True) -> None:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""
-        torch._dynamo.config.cache_size_limit = max(
-            torch._dynamo.config.cache_size_limit, 4 * len(self.all_keys())
-        )
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = max(
-                torch._dynamo.config.recompile_limit, 4 * len(self.all_keys())
-            )
         keys = self.all_keys()
+        limit = 4 * len(keys) + 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        # the buffers hold a valid empty step while capturing: no requests, every token
+        # writing the scratch page, no LoRA rows
+        top = self._key(self.token_buckets[-1])
+        self.pipeline.step_buffer.fill([], (top.tokens, top.seqs))
         for key in tqdm(
             keys, desc=f"capturing {len(keys)} graphs ({self.mode})", disable=not progress
         ):
@@ -222,23 +181,23 @@ class GraphCache:
     @torch.inference_mode()
     def _capture_one(self, key: Any) -> None:
         graph = self.graphs[key] = CapturedGraph(key)
-        args = self._static_args(key)
-        fn = functools.partial(self._step, prefill=node_capture_key(key).phase == "prefill")
+        views, routing = self._static_args(key)
+        fn = functools.partial(self._step, views, routing)
         self._capturing = key
         try:
             if self.mode == "inductor":
-                fn(*args)
-                graph.runner = lambda: fn(*args)
+                fn()
+                graph.runner = fn
                 return
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    fn(*args)
+                    fn()
             torch.cuda.current_stream().wait_stream(stream)
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, pool=self._mempool):
-                out = fn(*args)
+                out = fn()
 
             def replay(g: torch.cuda.CUDAGraph = cuda_graph, out: Tensor = out) -> Tensor:
                 g.replay()
@@ -250,45 +209,23 @@ class GraphCache:
 
     # ---- replay ---------------------------------------------------------------------------
     def lookup(self, inputs: Any) -> CapturedGraph | None:
-        """The captured graph of a step, or None (no per-row logits index, a batch wider
-        than every bucket, a prefill of several rows, a prompt longer than every bucket)."""
-        if inputs.logits_index is None:
+        """The captured graph of a step, or None (every token's logits wanted, or a width
+        no bucket holds)."""
+        if inputs.all_logits:
             return None
-        try:
-            return self.graphs.get(self.key_for(inputs))
-        except ValueError:
-            return None
+        return self.graphs.get(self.key_for(inputs))
 
     @torch.inference_mode()
     def run(self, inputs: Any, graph: CapturedGraph | None = None) -> Tensor:
-        """Copy a step into the buffers of its key and replay that graph.
-
-        The batch must already be padded to its decode bucket (the engine pads with free
-        KV cache rows; :meth:`decode_width`); a prefill row is padded here to its length
-        bucket. Returns logits ``[B, vocab]``, valid until the next replay.
+        """Replay the graph of a step whose inputs ``prepare`` wrote into the buffers at
+        its bucket's width. Returns logits ``[S, vocab]``, valid until the next replay.
 
         Raises:
-            KeyError: if the step's key was not captured (a prefill of several rows, or
-                a prompt longer than every bucket): run such steps eagerly.
+            KeyError: if the step's width was not captured: run such steps eagerly.
         """
         graph = graph or self.lookup(inputs)
         if graph is None or graph.runner is None:
             raise KeyError("no captured graph for this step")
-        k = node_capture_key(graph.key)
-        if inputs.tokens.shape[0] != k.batch:
-            raise ValueError(
-                f"a {graph.key} step needs {k.batch} rows, got {inputs.tokens.shape[0]}"
-            )
-        t = inputs.tokens.shape[1]
-        self._tokens[: k.batch, :t].copy_(inputs.tokens, non_blocking=True)
-        self._positions[: k.batch, :t].copy_(inputs.positions, non_blocking=True)
-        if t < k.seq_len:  # right padding of a prefill row: positions go on, tokens are 0
-            self._tokens[: k.batch, t : k.seq_len].zero_()
-            self._positions[: k.batch, t : k.seq_len].copy_(
-                torch.arange(t, k.seq_len, device=self._positions.device)
-            )
-        self._cache_rows[: k.batch].copy_(inputs.cache_rows, non_blocking=True)
-        self._logits_index[: k.batch].copy_(inputs.logits_index, non_blocking=True)
         graph.replays += 1
         if self.mode == "cudagraph":
             return graph.runner()

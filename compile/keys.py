@@ -1,31 +1,31 @@
 """Capture keys: one per captured graph.
 
-A node's own key says what shape of step a graph serves (phase, batch bucket, tokens per
-row); :class:`LoraBaseOnly` wraps it for the twin graph of steps where no row names an
-adapter, which records no LoRA op at all.
+A node's own key says what width of packed step a graph serves (:mod:`lora_graph.step`:
+``tokens`` positions, ``seqs`` requests); :class:`LoraBaseOnly` wraps it for the twin
+graph of steps where no request names an adapter, which records no LoRA op at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 
 @dataclass(frozen=True, order=True)
 class CaptureKey:
-    """The node's own key: ``phase``, ``batch`` rows (the bucket), ``seq_len`` tokens a row."""
+    """The node's own key: a packed step of ``tokens`` token positions and ``seqs``
+    request rows (its bucket)."""
 
-    phase: Literal["prefill", "decode"]
-    batch: int
-    seq_len: int = 1
+    tokens: int
+    seqs: int
 
     def __str__(self) -> str:
-        return f"{self.phase}(batch={self.batch}, seq_len={self.seq_len})"
+        return f"step(tokens={self.tokens}, seqs={self.seqs})"
 
 
 @dataclass(frozen=True)
 class LoraBaseOnly:
-    """The capture key of a step none of whose rows names an adapter: ``key`` wrapped."""
+    """The capture key of a step none of whose requests names an adapter: ``key`` wrapped."""
 
     key: Any = None
 

@@ -1,11 +1,23 @@
-"""Generation: continuous batching over the static KV cache, each request under its adapter.
+"""Generation: continuous batching over the paged KV cache, each request under its adapter.
 
-Each :meth:`LLMEngine.step` is either a prefill of newly admitted requests (batched,
-right-padded) or one decode step of every running request. A request is admitted when a
-KV cache row is free and its adapter can hold a slot beside those of the running batch;
-otherwise it waits, and the least recently used adapter not in the running batch gives up
-its slot when it is admitted. Requests leave on EOS, a stop token, ``max_new_tokens`` or
-the end of the KV cache row.
+Each :meth:`LLMEngine.step` runs one packed step (:mod:`lora_graph.step`) under a token
+budget (the pipeline's ``max_step_tokens``, from ``max_num_batched_tokens``), scheduled
+first come first served:
+
+1. every running request that is decoding gets its one token; one that needs a page when
+   the pool is dry preempts the newest running request (its pages are freed, and it goes
+   back to the front of the queue to be recomputed later: prompt plus the tokens it had,
+   so its output is unchanged);
+2. running requests part-way through their prompt get the next chunk of it;
+3. if nothing was preempted, waiting requests are admitted in arrival order while the
+   budget, ``max_batch_size``, the free pages (a request takes the pages of its whole
+   prompt when admitted) and the adapter slots allow. A request whose adapter cannot take
+   a slot beside the running ones waits, as does every later one that would need a new
+   slot (so it is not starved); later ones that need none go ahead of it. The least
+   recently used adapter not running gives up its slot when one is needed.
+
+Requests leave on EOS, a stop token, ``max_new_tokens`` or ``max_seq_len``; their pages
+and adapter hold are returned.
 """
 
 from __future__ import annotations
@@ -13,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,6 +32,7 @@ from torch import Tensor
 from lora_graph.config import AdapterError, LoraReqConfig, is_finite_number, is_int
 from lora_graph.manager import AdapterRef
 from lora_graph.pipeline import PipelineModelWithKVCache
+from lora_graph.step import SeqChunk
 
 
 @dataclass(frozen=True)
@@ -118,13 +130,14 @@ class RequestOutput:
 @dataclass
 class _Sequence:
     request: Request
-    cache_row: int
     generator: torch.Generator | None
-    tokens: list[int]
+    tokens: list[int]  # prompt and generated tokens
     generated: list[int] = field(default_factory=list)
     hold: AdapterRef | None = None  # the adapter version it was admitted under
     arrival: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # its block table
+    computed: int = 0  # tokens whose K and V are in its pages
 
     @property
     def adapter(self) -> str | None:
@@ -132,19 +145,12 @@ class _Sequence:
         return self.hold.key if self.hold is not None else self.request.adapter
 
 
-@dataclass
-class _Pad:
-    """A padding row of a decode batch: a free KV cache row, base model."""
-
-    cache_row: int
-    adapter: None = None
-
-
 class LLMEngine:
-    """Serves requests through a pipeline, continuously batched.
+    """Serves requests through a pipeline, continuously batched in packed steps.
 
     Args:
-        pipeline: the loaded model (its ``max_batch_size`` bounds the running batch).
+        pipeline: the loaded model (its ``max_batch_size`` bounds the running requests,
+            its ``max_step_tokens`` a step's tokens, its page pool their KV cache).
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
     """
 
@@ -153,11 +159,13 @@ class LLMEngine:
     ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.pages = pipeline.pages
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.finished: dict[str, RequestOutput] = {}
-        self._free_rows = list(range(pipeline.max_batch_size))
+        # steps with a prefill chunk in them, and steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
+        self.preemptions = 0
         self.tokens_generated = 0
         self._new_tokens: list[tuple[str, int]] = []
 
@@ -177,13 +185,13 @@ class LLMEngine:
             generator.manual_seed(
                 s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
             )
-        seq = _Sequence(request, -1, generator, list(request.prompt_token_ids))
+        seq = _Sequence(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
         self.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a waiting or running request: it finishes with ``error="aborted"`` (and the
-        tokens it had), its KV cache row is freed, and its adapter is no longer held by it.
+        tokens it had), its pages are freed, and its adapter is no longer held by it.
         Returns False if no such request is unfinished."""
         for queue in (self.waiting, self.running):
             for seq in queue:
@@ -212,161 +220,157 @@ class LLMEngine:
                 "fit (max_seq_len)"
             )
 
-    def _admit(self) -> list[_Sequence]:
-        """Admit waiting requests in arrival order while KV cache rows are free. A request
-        whose adapter cannot take a slot yet waits, and so does every later one that would
-        need a new slot (no overtaking for slots, so it is not starved); later requests that
-        need none (base rows, adapters already in the batch) go ahead of it."""
+    def _release(self, seq: _Sequence) -> None:
+        """Give back what a leaving request held: its pages and its adapter version."""
+        self._free_pages(seq)
+        if seq.hold is not None:
+            self.pipeline.manager.release(seq.hold)
+            seq.hold = None
+
+    def _free_pages(self, seq: _Sequence) -> None:
+        self.pages.free(seq.pages)
+        seq.pages = []
+        seq.computed = 0
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Take a running request's pages back and queue it first, to be recomputed (its
+        prompt and generated tokens) when pages are free again. It keeps its adapter hold
+        and its sampling generator, so its output is unchanged."""
+        self.running.remove(seq)
+        self._free_pages(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        """This step's requests and how many of their tokens each computes (module
+        docstring), with the pages for them taken."""
+        budget = self.pipeline.max_step_tokens
+        scheduled: list[tuple[_Sequence, int]] = []
+        taken: set[int] = set()
+        preempted = False
+        for seq in list(self.running):  # decodes first: one token each
+            if seq not in self.running or len(seq.tokens) - seq.computed != 1 or budget == 0:
+                continue
+            need = self.pages.pages_for(seq.computed + 1) - len(seq.pages)
+            while need > self.pages.num_free:
+                victims = [s for s in self.running if id(s) not in taken and s is not seq]
+                victim = victims[-1] if victims else seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            seq.pages += self.pages.allocate(need)
+            scheduled.append((seq, 1))
+            taken.add(id(seq))
+            budget -= 1
+        for seq in self.running:  # then the next chunk of prompts being prefilled
+            if budget == 0:
+                break
+            if id(seq) in taken:
+                continue
+            n = min(len(seq.tokens) - seq.computed, budget)
+            scheduled.append((seq, n))
+            taken.add(id(seq))
+            budget -= n
+        if not preempted:
+            for seq in self._admit(budget):
+                n = min(len(seq.tokens), budget)
+                scheduled.append((seq, n))
+                budget -= n
+        return scheduled
+
+    def _admit(self, budget: int) -> list[_Sequence]:
+        """Admit waiting requests (module docstring, 3.) into the running list, each with
+        the pages of its whole prompt; return them in order."""
         admitted: list[_Sequence] = []
         kept: list[_Sequence] = []
         manager = self.pipeline.manager
         names = {s.adapter for s in self.running if s.adapter is not None}
         blocked = False
-        while self.waiting and self._free_rows:
-            seq = self.waiting.popleft()
+        while self.waiting and budget > 0 and len(self.running) < self.pipeline.max_batch_size:
+            seq = self.waiting[0]
+            if self.pages.pages_for(len(seq.tokens)) > self.pages.num_free:
+                break  # first come first served: later requests wait for pages too
+            self.waiting.popleft()
             if seq.adapter is not None and manager is not None:
                 if blocked and seq.adapter not in names:
                     kept.append(seq)
                     continue
-                try:
-                    hold = manager.admit(seq.adapter, names)
-                except KeyError as e:  # unloaded while it waited
-                    self.finished[seq.request.id] = RequestOutput(
-                        seq.request.id, seq.adapter, error=e.args[0]
-                    )
-                    continue
+                if seq.hold is None:  # new: take a hold on the adapter's current version
+                    try:
+                        hold = manager.admit(seq.adapter, names)
+                    except KeyError as e:  # unloaded while it waited
+                        self.finished[seq.request.id] = RequestOutput(
+                            seq.request.id, seq.adapter, error=e.args[0]
+                        )
+                        continue
+                else:  # preempted: it holds its version already
+                    hold = seq.hold if manager.can_activate(names | {seq.adapter}) else None
                 if hold is None:  # its adapter cannot take a slot beside the running ones yet
                     blocked = True
                     kept.append(seq)
                     continue
-                names.add(seq.adapter)
+                names.add(hold.key)
                 seq.hold = hold
-            seq.cache_row = self._free_rows.pop(0)
+            seq.pages = self.pages.allocate(self.pages.pages_for(len(seq.tokens)))
+            self.running.append(seq)
             admitted.append(seq)
+            budget -= min(len(seq.tokens), budget)
         self.waiting.extendleft(reversed(kept))
         return admitted
-
-    def _release(self, seq: _Sequence) -> None:
-        """Give back what a leaving request held: its KV cache row and its adapter version."""
-        if seq.cache_row >= 0:
-            self._free_rows.append(seq.cache_row)
-            self._free_rows.sort()
-            seq.cache_row = -1
-        if seq.hold is not None:
-            self.pipeline.manager.release(seq.hold)
-            seq.hold = None
 
     # ---- stepping ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[tuple[str, int]]:
-        """Run one prefill (if requests were admitted) or one decode step; return the
-        tokens it produced, ``(request id, token)`` in step order (a caller streams them).
+        """Schedule and run one packed step; return the tokens it produced,
+        ``(request id, token)`` in step order (a caller streams them).
 
         An adapter whose weights cannot be read back into a slot (its file was deleted or
         changed after it left the host tier) fails its own requests with an ``error``; the
-        others are served on (admitted ones not yet prefilled go back to the queue).
+        others are served on.
         """
-        self._new_tokens: list[tuple[str, int]] = []
-        admitted = self._admit()
-        if admitted:
-            groups = [admitted]
-            graphs = self.pipeline.graphs
-            if graphs is not None:
-                # a captured prefill graph holds one request; prompts longer than every
-                # bucket are prefilled together, in one eager call
-                groups, longer = [], []
-                for s in admitted:
-                    if graphs.prefill_length(len(s.tokens)) is None:
-                        longer.append(s)
-                    else:
-                        groups.append([s])
-                groups += [longer] if longer else []
-            for i, group in enumerate(groups):
-                try:
-                    self._prefill(group)
-                except AdapterError as e:
-                    if e.adapter is None:
-                        raise
-                    self._fail_adapter(
-                        e.adapter, str(e), unstarted=[s for g in groups[i:] for s in g]
-                    )
-                    break
-        elif self.running:
-            try:
-                self._decode()
-            except AdapterError as e:
-                if e.adapter is None:
-                    raise
-                self._fail_adapter(e.adapter, str(e), unstarted=[])
+        self._new_tokens = []
+        scheduled = self._schedule()
+        if not scheduled:
+            return self._new_tokens
+        try:
+            self._run(scheduled)
+        except AdapterError as e:
+            if e.adapter is None:
+                raise
+            self._fail_adapter(e.adapter, str(e))
         return self._new_tokens
 
-    def _fail_adapter(self, key: str, error: str, *, unstarted: list[_Sequence]) -> None:
-        """Finish every request routed to adapter version ``key`` with ``error``; requeue, at
-        the front and in order, the admitted requests of other adapters not yet prefilled."""
-        for seq in [s for s in self.running if s.adapter == key]:
-            self.running.remove(seq)
-            self._release(seq)
-            self.finished[seq.request.id] = RequestOutput(
-                seq.request.id, seq.request.adapter, seq.generated, None, error
-            )
-        requeue = []
-        for seq in unstarted:
-            failed = seq.adapter == key
-            self._release(seq)
-            if failed:
+    def _fail_adapter(self, key: str, error: str) -> None:
+        """Finish every request routed to adapter version ``key`` with ``error``."""
+        for queue in (self.running, self.waiting):
+            for seq in [s for s in queue if s.adapter == key]:
+                queue.remove(seq)
+                self._release(seq)
                 self.finished[seq.request.id] = RequestOutput(
-                    seq.request.id, seq.request.adapter, error=error
+                    seq.request.id, seq.request.adapter, seq.generated, None, error
                 )
-            else:
-                requeue.append(seq)
-        self.waiting.extendleft(reversed(requeue))
 
-    def _prefill(self, seqs: list[_Sequence]) -> None:
-        seqs = self.pipeline.manager.sort_lora_batch(seqs) if self.pipeline.manager else seqs
-        dev = self.pipeline.device
-        length = max(len(s.tokens) for s in seqs)
-        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        positions = torch.arange(length).expand(len(seqs), length)
-        cache_rows = torch.tensor([s.cache_row for s in seqs])
-        last = torch.tensor([len(s.tokens) - 1 for s in seqs])
-        inputs = self.pipeline.prepare(
-            seqs,
-            tokens=tokens.to(dev),
-            positions=positions.to(dev),
-            cache_rows=cache_rows.to(dev),
-            logits_index=last.to(dev),
-            prefill=True,
-        )
+    def _run(self, scheduled: list[tuple[_Sequence, int]]) -> None:
+        chunks = [
+            SeqChunk(s.adapter, s.tokens[s.computed : s.computed + n], s.computed, s.pages, s)
+            for s, n in scheduled
+        ]
+        inputs = self.pipeline.prepare(chunks)
         logits = self.pipeline.execute(inputs)
-        self.steps["prefill"] += 1
-        self.running.extend(seqs)
-        self._sample_and_advance(seqs, logits)
-
-    def _decode(self) -> None:
-        manager = self.pipeline.manager
-        seqs = manager.sort_lora_batch(self.running) if manager else list(self.running)
-        width = self.pipeline.decode_width(max(s.cache_row for s in seqs) + 1)
-        used = {s.cache_row for s in seqs}
-        rows: list[Any] = [*seqs, *(_Pad(r) for r in range(width) if r not in used)]
-        dev = self.pipeline.device
-        tokens = torch.tensor([[s.tokens[-1]] for s in seqs] + [[0]] * (width - len(seqs)))
-        positions = torch.tensor([[len(s.tokens) - 1] for s in seqs] + [[0]] * (width - len(seqs)))
-        cache_rows = torch.tensor([r.cache_row for r in rows])
-        inputs = self.pipeline.prepare(
-            rows,
-            tokens=tokens.to(dev),
-            positions=positions.to(dev),
-            cache_rows=cache_rows.to(dev),
-            logits_index=torch.zeros(width, dtype=torch.long, device=dev),
-            prefill=False,
-        )
-        logits = self.pipeline.execute(inputs)
-        self.steps["decode"] += 1
-        self._sample_and_advance(seqs, logits[: len(seqs)])
+        self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
+        for c in inputs.chunks:
+            c.owner.computed += len(c.token_ids)
+        # requests whose tokens are all computed sample their next one
+        rows = [i for i, c in enumerate(inputs.chunks) if c.owner.computed == len(c.owner.tokens)]
+        if rows:
+            picked = logits[torch.tensor(rows, device=logits.device)]
+            self._sample_and_advance([inputs.chunks[i].owner for i in rows], picked)
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
         bad_rows = torch.isnan(logits).any(dim=-1).tolist()  # on the device: one small copy

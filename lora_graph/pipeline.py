@@ -1,4 +1,4 @@
-"""The base class for a model with a static KV cache, served with per-request LoRA."""
+"""The base class for a model over a paged KV cache, served with per-request LoRA."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import abc
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +14,8 @@ from torch import Tensor, nn
 from lora_graph.config import LoRAConfig
 from lora_graph.layout import SlotLayout
 from lora_graph.manager import LoRAManager
-from lora_graph.routing import HasAdapter, Routing
+from lora_graph.paging import PagePool
+from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
 if TYPE_CHECKING:
@@ -134,45 +134,39 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-@dataclass
-class ModelInputs:
-    """One step's inputs, in the compiled step's order.
-
-    ``tokens``/``positions`` ``[B, T]`` int64, ``cache_rows`` ``[B]`` int64,
-    ``logits_index`` ``[B]`` int64 or None (all positions), ``prefill`` the phase, and
-    ``routing`` the step's LoRA routing (:mod:`lora_graph.routing`), or None for a
-    base-only step.
-    """
-
-    tokens: Tensor
-    positions: Tensor
-    cache_rows: Tensor
-    logits_index: Tensor | None
-    prefill: bool
-    routing: Routing | None = None
-
-
 class PipelineModelWithKVCache(abc.ABC):
-    """A model architecture with a static KV cache, served with per-request LoRA.
+    """A model architecture over a paged KV cache, served with per-request LoRA in packed
+    steps (:mod:`lora_graph.step`).
 
     A subclass implements :meth:`_create_model_config` (the architecture's config from the
     Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA targets
-    (:meth:`lora_targets`, :meth:`lora_module_map`, :meth:`lora_module_path`) and
-    :meth:`weights_adapter` (checkpoint key renaming). :meth:`load_model` builds the module,
-    wraps it with the LoRA manager, and loads the checkpoint through the adapter.
+    (:meth:`lora_targets`, :meth:`lora_module_map`, :meth:`lora_module_path`), its
+    :meth:`weights_adapter` (checkpoint key renaming), its :meth:`step_inputs` and the
+    bytes of KV cache a token takes (:meth:`kv_bytes_per_token`). :meth:`load_model`
+    builds the module, wraps it with the LoRA manager, and loads the checkpoint through
+    the adapter.
 
     Args:
         model_path: a Hugging Face model directory or repo id.
         dtype: parameter and activation dtype.
         device: where the model runs.
-        max_batch_size: KV cache rows (requests in flight).
-        max_seq_len: positions per KV cache row.
+        max_batch_size: the most requests in one step (and running at once).
+        max_seq_len: the longest request (prompt plus generated tokens).
+        max_num_batched_tokens: the most tokens in one step (prefill chunks plus decodes).
+        page_size: token positions per KV cache page.
+        kv_cache_tokens: token positions of the KV cache pool, or None to size it: on CUDA
+            from ``gpu_memory_utilization``, elsewhere ``max_batch_size * max_seq_len``
+            (every request at full length). Either way at most that many are allocated.
+        gpu_memory_utilization: on CUDA, the fraction of the device's memory this pipeline
+            may use (weights, adapter slots, activations and the KV cache), as vLLM's
+            option of the same name.
         lora: the adapter pool's config, or None to serve the base model only.
         weights: a checkpoint state dict (Hugging Face names) to load instead of reading
             the directory's safetensors (benchmarks build models in memory).
 
     Raises:
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported.
+        MemoryBudgetError: if the KV cache cannot hold one request of ``max_seq_len``.
     """
 
     def __init__(
@@ -183,6 +177,10 @@ class PipelineModelWithKVCache(abc.ABC):
         device: str | torch.device = "cpu",
         max_batch_size: int = 8,
         max_seq_len: int = 512,
+        max_num_batched_tokens: int = 2048,
+        page_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
         weights: dict[str, Tensor] | None = None,
     ) -> None:
@@ -192,11 +190,26 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        if max_num_batched_tokens < max_batch_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_batch_size ({max_batch_size}): every running request decodes each step"
+            )
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be at least 1, got {kv_cache_tokens}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
         self.model_dir = resolve_model_path(model_path)
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_size = page_size
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -204,7 +217,8 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
             )
-        self._check_memory(lora)
+        self.num_kv_pages = self._size_kv_cache(lora, kv_cache_tokens, gpu_memory_utilization)
+        self.pages = PagePool(self.num_kv_pages, page_size)
         self.manager: LoRAManager | None = None
         if lora is not None:
             self.manager = LoRAManager(
@@ -219,48 +233,115 @@ class PipelineModelWithKVCache(abc.ABC):
         self._weights = weights
         self.model = self.load_model()
         self._weights = None
+        self.step_buffer = StepBuffer(
+            self.step_inputs(),
+            max_tokens=max_num_batched_tokens,
+            max_seqs=max_batch_size,
+            max_pages=self.pages.pages_for(max_seq_len),
+            page_size=page_size,
+            device=self.device,
+        )
         self.graphs: GraphCache | None = None
         if self.manager is not None:
             self.manager.load_configured()
 
-    def _check_memory(self, lora: LoRAConfig | None) -> None:
-        """Refuse sizes whose KV cache and adapter slots cannot be allocated, before
-        allocating them (a typo such as ``max_batch_size=1000000`` would otherwise end in an
-        allocator traceback).
+    def _slot_bytes(self, lora: LoRAConfig | None) -> int:
+        if lora is None:
+            return 0
+        targets = self.lora_targets()
+        if lora.targets is not None:
+            targets = {k: v for k, v in targets.items() if k in lora.targets}
+        itemsize = (lora.dtype or self.dtype).itemsize
+        return SlotLayout(targets, self.num_layers, lora.max_rank).numel * lora.num_slots * itemsize
+
+    def _weight_bytes(self) -> int:
+        """Parameter bytes of the module, counted on the meta device (nothing allocated)."""
+        self.num_kv_pages = 2
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                module = self._instantiate_module(self.config)
+        finally:
+            torch.set_default_dtype(previous)
+        seen = {id(p): p for p in module.parameters()}  # tied weights once
+        return sum(p.numel() * p.element_size() for p in seen.values())
+
+    def _activation_bytes(self) -> int:
+        """A generous bound on a step's activations at ``max_num_batched_tokens``."""
+        hidden = getattr(self.config, "hidden_size", 0)
+        inter = getattr(self.config, "intermediate_size", 0)
+        vocab = getattr(self.config, "vocab_size", 0)
+        per_token = (8 * hidden + 4 * inter) * 4  # float32 temporaries
+        return self.max_num_batched_tokens * per_token + 2 * self.max_batch_size * vocab * 4
+
+    def _size_kv_cache(
+        self, lora: LoRAConfig | None, kv_cache_tokens: int | None, utilization: float
+    ) -> int:
+        """KV cache pages (the scratch page included) for the memory budget, and refuse
+        sizes that cannot be allocated before allocating them (a typo such as
+        ``kv_cache_tokens=10**9`` would otherwise end in an allocator traceback).
 
         Raises:
-            MemoryBudgetError: saying what would be allocated, what is free, and the largest
-                ``max_batch_size`` that fits.
+            MemoryBudgetError: saying what would be allocated, what is free, and what fits.
         """
-        kv = self.kv_cache_bytes()
-        slots = 0
-        if lora is not None:
-            targets = self.lora_targets()
-            if lora.targets is not None:
-                targets = {k: v for k, v in targets.items() if k in lora.targets}
-            itemsize = (lora.dtype or self.dtype).itemsize
-            slots = (
-                SlotLayout(targets, self.num_layers, lora.max_rank).numel
-                * lora.num_slots
-                * itemsize
+        page_bytes = self.kv_bytes_per_token() * self.page_size
+        per_request = -(-self.max_seq_len // self.page_size)
+        most = self.max_batch_size * per_request + 1  # every request at full length
+        slots = self._slot_bytes(lora)
+        gib = 2**30
+        if kv_cache_tokens is None and self.device.type == "cuda" and page_bytes:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = (
+                utilization * total
+                - (total - free)
+                - self._weight_bytes()
+                - slots
+                - self._activation_bytes()
             )
+            pages = min(most, int(budget // page_bytes))
+            if pages < per_request + 1:
+                raise MemoryBudgetError(
+                    f"gpu_memory_utilization {utilization} leaves {max(budget, 0) / gib:.2f} GiB "
+                    f"for the KV cache on {self.device}, less than one request of max_seq_len "
+                    f"{self.max_seq_len} needs ({(per_request + 1) * page_bytes / gib:.2f} GiB)"
+                )
+            return pages
+        pages = most
+        if kv_cache_tokens is not None:
+            pages = min(most, -(-kv_cache_tokens // self.page_size) + 1)
+            if pages < per_request + 1:
+                raise ValueError(
+                    f"kv_cache_tokens {kv_cache_tokens} cannot hold one request of max_seq_len "
+                    f"{self.max_seq_len}"
+                )
+        kv = pages * page_bytes
         free = free_memory_bytes(self.device)
         if free is None or kv + slots <= free:
-            return
-        per_row = kv // self.max_batch_size
-        fits = max(0, (free - slots) // per_row) if per_row else 0
-        gib = 2**30
+            return pages
+        fits = max(0, (free - slots) // page_bytes - 1) * self.page_size if page_bytes else 0
         raise MemoryBudgetError(
-            f"the KV cache for max_batch_size {self.max_batch_size} x max_seq_len "
-            f"{self.max_seq_len} needs {kv / gib:.1f} GiB"
+            f"the KV cache of {(pages - 1) * self.page_size} token positions (max_batch_size "
+            f"{self.max_batch_size} x max_seq_len {self.max_seq_len}, or kv_cache_tokens) "
+            f"needs {kv / gib:.1f} GiB"
             + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
             + f", but {free / gib:.1f} GiB is free on {self.device.type}"
-            + (f"; at most max_batch_size {fits} fits at this max_seq_len" if fits else "")
+            + (f"; at most kv_cache_tokens {fits} fits" if fits else "")
         )
 
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the KV cache this pipeline allocates (0 if the architecture has none)."""
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token position takes over all layers (0: no KV cache)."""
         return 0
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this pipeline allocates."""
+        return self.num_kv_pages * self.page_size * self.kv_bytes_per_token()
+
+    def step_inputs(self) -> tuple[str, ...]:
+        """The step inputs (:data:`lora_graph.step.STEP_INPUTS`) the module's forward takes
+        as keywords, besides ``routing``; the step buffer and every captured graph are
+        built from this declaration. Default: all of them."""
+        return tuple(STEP_INPUTS)
 
     # ---- what an architecture declares ----------------------------------------------
     @abc.abstractmethod
@@ -339,90 +420,92 @@ class PipelineModelWithKVCache(abc.ABC):
         self,
         mode: str,
         *,
-        decode_buckets: Sequence[int] | None = None,
-        prefill_lengths: Sequence[int] | None = None,
+        token_buckets: Sequence[int] | None = None,
         progress: bool = True,
     ) -> GraphCache:
-        """Capture the step per bucket, with LoRA and base-only, and serve through it.
+        """Capture the packed step per token bucket, with LoRA and base-only, and serve
+        through it.
 
         Args:
             mode: ``"inductor"`` (``torch.compile``) or ``"cudagraph"`` (CUDA graphs over it).
-            decode_buckets: decode batch sizes (default: powers of two up to
-                ``max_batch_size``, and ``max_batch_size``).
-            prefill_lengths: prompt length buckets of single-request prefill graphs
-                (default: 64 and 256, capped at ``max_seq_len``); longer prompts and
-                batched prefills run eagerly.
+            token_buckets: step sizes in tokens to capture (default: powers of two up to
+                ``max_num_batched_tokens``, and ``max_num_batched_tokens``). A step is
+                padded to the smallest bucket that holds it.
         """
         from lora_graph.compile.cache import GraphCache
 
-        if decode_buckets is None:
-            decode_buckets = sorted(
-                {
-                    min(2**i, self.max_batch_size)
-                    for i in range(self.max_batch_size.bit_length() + 1)
-                }
-            )
-        if prefill_lengths is None:
-            prefill_lengths = sorted({min(t, self.max_seq_len) for t in (64, 256)})
+        if token_buckets is None:
+            top = self.max_num_batched_tokens
+            token_buckets = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
         self.graphs = GraphCache(
             self,
             mode=mode,  # type: ignore[arg-type]
-            decode_buckets=decode_buckets,
-            prefill_lengths=prefill_lengths,
+            token_buckets=token_buckets,
         )
         self.graphs.capture(progress=progress)
         return self.graphs
 
-    def decode_width(self, rows: int) -> int:
-        """The batch width a decode step of ``rows`` rows is padded to (its bucket)."""
-        return self.graphs.decode_width(rows) if self.graphs is not None else rows
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens the scheduler puts in one step: ``max_num_batched_tokens``, or
+        the largest captured bucket if that is smaller (no step then runs uncaptured)."""
+        if self.graphs is not None:
+            return min(self.max_num_batched_tokens, self.graphs.token_buckets[-1])
+        return self.max_num_batched_tokens
 
     # ---- running ----------------------------------------------------------------------
-    def prepare(
-        self,
-        rows: Sequence[HasAdapter],
-        *,
-        tokens: Tensor,
-        positions: Tensor,
-        cache_rows: Tensor,
-        logits_index: Tensor | None,
-        prefill: bool,
-    ) -> ModelInputs:
-        """Make the rows' adapters active and build the step's inputs.
+    def prepare(self, chunks: Sequence[SeqChunk], *, all_logits: bool = False) -> ModelInputs:
+        """Make the chunks' adapters active and build the step's inputs.
 
-        ``rows`` are the batch rows in step order (sorted by adapter, base last), one per
-        row of ``tokens``. A step where no row names an adapter gets no LoRA inputs.
+        The chunks are put in step order (sorted by adapter, base last:
+        :attr:`ModelInputs.chunks`, one logits row each). A step where no chunk names an
+        adapter gets no LoRA inputs. With ``all_logits`` the step returns every token's
+        logits and runs eagerly.
+
+        Raises:
+            ValueError: if a chunk names an adapter and LoRA is not enabled, or the step
+                does not fit (more than ``max_num_batched_tokens`` tokens or
+                ``max_batch_size`` requests, pages not covering a chunk).
         """
-        routing = None
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        chunks = list(chunks)
+        if any(c.adapter is not None for c in chunks) and self.manager is None:
+            raise ValueError("a chunk names an adapter but LoRA is not enabled")
         if self.manager is not None:
-            self.manager.activate_batch(rows)
-        if any(r.adapter is not None for r in rows):
-            if self.manager is None:
-                raise ValueError("a row names an adapter but LoRA is not enabled")
-            seq = tokens.shape[1]
-            routing = self.manager.route(rows, [i * seq for i in range(len(rows) + 1)])
-        return ModelInputs(tokens, positions, cache_rows, logits_index, prefill, routing)
+            chunks = self.manager.sort_lora_batch(chunks)
+            self.manager.activate_batch(chunks)
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + len(c.token_ids))
+        n = offsets[-1]
+        if all_logits or self.graphs is None:
+            width = (n, len(chunks))
+        else:
+            width = self.graphs.width(n, len(chunks))
+        inputs = self.step_buffer.fill(chunks, width)
+        routing = None
+        if any(c.adapter is not None for c in chunks):
+            routing = self.manager.route(chunks, offsets)
+        return ModelInputs(inputs, routing, chunks, width, all_logits, n)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> Tensor:
-        """Run one step; float32 logits ``[B, vocab]`` (``[B, T, vocab]`` without
-        ``logits_index``). A step whose key was captured replays its graph (the logits are
-        then valid until the next replay); others run eagerly."""
-        if self.graphs is not None:
+        """Run one step; float32 logits ``[S, vocab]``, row ``i`` for ``inputs.chunks[i]``
+        (rows past the chunks are padding), or ``[T, vocab]`` with ``all_logits``. A step
+        whose width was captured replays its graph (the logits are then valid until the
+        next replay); others run eagerly."""
+        if self.graphs is not None and not inputs.all_logits:
             graph = self.graphs.lookup(inputs)
             if graph is not None:
                 return self.graphs.run(inputs, graph)
-            # an uncaptured shape: run, don't compile
+            # an uncaptured width: run, don't compile
             with torch.compiler.set_stance("force_eager"):
                 return self._execute_eager(inputs)
         return self._execute_eager(inputs)
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:
-        return self.model(
-            inputs.tokens,
-            inputs.positions,
-            inputs.cache_rows,
-            inputs.logits_index,
-            inputs.prefill,
-            inputs.routing,
-        )
+        kwargs = dict(inputs.inputs)
+        if inputs.all_logits:
+            kwargs["logits_index"] = None
+        return self.model(**kwargs, routing=inputs.routing)

@@ -1,16 +1,15 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) as plain modules with a static KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2) as plain modules over a paged KV cache.
 
 One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
-with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a KV cache allocated
-once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face names are
+with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, paged KV cache
+allocated once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face names are
 mapped onto this layout by :func:`hf_weights_adapter`, so the model never sees the file
-format.
-
-A step takes ``tokens [B, T]``, ``positions [B, T]`` and ``cache_rows [B]`` (the KV cache
-row each batch row owns). Prefill (``prefill=True``) starts every row at position 0 and
-attends within its own tokens; decode (``T == 1``) attends over the cache, and needs the
-batch's ``cache_rows`` to be a permutation of ``range(B)`` (the scheduler pads a batch with
-free rows so it is), so the cache is read as the view ``cache[:B]`` and never gathered.
+formatA step is packed (:mod:`lora_graph.step`): a flat list of tokens from many requests,
+decode tokens and prefill chunks alike, with the requests' block tables; each layer writes
+the step's K and V into its pages and attends over them with
+:func:`lora_graph.attention.paged_attention`, so a step reads the pages its requests hold
+and nothing else.
+d.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lora_graph.attention import paged_attention
 from lora_graph.layers import Embedding, Linear
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
@@ -181,27 +181,36 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class KVCache(nn.Module):
-    """Static K and V buffers ``[max_batch, kv_heads, max_seq_len, head_dim]``, allocated once."""
+class PagedKVCache(nn.Module):
+    """One layer's K and V pages, ``[num_pages, page_size, kv_heads, head_dim]`` each
+    (:mod:`lora_graph.paging`), allocated once."""
 
-    def __init__(
-        self, max_batch: int, max_seq_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:  # fmt: skip
         super().__init__()
-        shape = (max_batch, kv_heads, max_seq_len, head_dim)
+        shape = (num_pages, page_size, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def write(self, cache_rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store ``k``/``v`` ``[B, kv_heads, T, head_dim]`` at
-        ``(cache_rows[b], positions[b, t])``."""
-        rows = cache_rows[:, None].expand_as(positions)
-        self.k[rows, :, positions] = k.transpose(1, 2)
-        self.v[rows, :, positions] = v.transpose(1, 2)
+    def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
+        ``slot_mapping`` ``[T]`` (``page * page_size + offset``)."""
+        flat = (-1, *self.k.shape[2:])
+        self.k.view(flat).index_put_((slot_mapping,), k)
+        self.v.view(flat).index_put_((slot_mapping,), v)
+
+
+class AttentionMetadata(NamedTuple):
+    """The step's attention inputs (:mod:`lora_graph.step`), handed to every layer."""
+
+    slot_mapping: Tensor  # [T] where each token's K/V goes
+    block_tables: Tensor  # [S, P] each request's pages
+    seq_lens: Tensor  # [S] each request's length after the step
+    query_start: Tensor  # [S + 1] the requests' token offsets
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, kv_cache: KVCache, window: int | None) -> None:
+    def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None) -> None:
         super().__init__()
         self.config = config
         self.window = window  # sliding window of this layer (None: full attention)
@@ -210,60 +219,33 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.kv_cache = kv_cache
+        self.scale = config.head_dim**-0.5
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor,
-        prefill: bool, routing: Routing | None,
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
+        routing: Routing | None,
     ) -> Tensor:  # fmt: skip
         c = self.config
-        bsz, seqlen, _ = x.shape
+        n = x.shape[0]
         q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(bsz, seqlen, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = k.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = v.view(bsz, seqlen, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = q.view(n, c.num_attention_heads, c.head_dim)
+        k = k.view(n, c.num_key_value_heads, c.head_dim)
+        v = v.view(n, c.num_key_value_heads, c.head_dim)
         cos, sin = cos[:, None], sin[:, None]
         q = (q * cos + rotate_half(q) * sin).to(x.dtype)
         k = (k * cos + rotate_half(k) * sin).to(x.dtype)
-        self.kv_cache.write(cache_rows, positions, k, v)
-        if prefill:
-            mask = positions[:, None, :, None] >= positions[:, None, None, :]
-            if self.window is not None:
-                mask = mask & (
-                    positions[:, None, :, None] - positions[:, None, None, :] < self.window
-                )
-            groups = c.num_attention_heads // c.num_key_value_heads
-            # as transformers' repeat_kv: keeps the fused (fp32-softmax) kernels eligible
-            if groups > 1:
-                k = (
-                    k[:, :, None]
-                    .expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim)
-                    .reshape(q.shape)
-                )
-                v = (
-                    v[:, :, None]
-                    .expand(bsz, c.num_key_value_heads, groups, seqlen, c.head_dim)
-                    .reshape(q.shape)
-                )
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            # Decode: rows to cache order (cache_rows is a permutation of range(B)), attend
-            # over the cache view, and back. Only activations move, never the cache.
-            qc = torch.empty_like(q).index_copy_(0, cache_rows, q)
-            pos_c = torch.empty_like(positions).index_copy_(0, cache_rows, positions)
-            key_pos = torch.arange(self.kv_cache.k.shape[2], device=x.device)
-            mask = key_pos[None, :] <= pos_c
-            if self.window is not None:
-                mask = mask & (key_pos[None, :] > pos_c - self.window)
-            out = F.scaled_dot_product_attention(
-                qc,
-                self.kv_cache.k[:bsz],
-                self.kv_cache.v[:bsz],
-                attn_mask=mask[:, None, None, :],
-                enable_gqa=True,
-            )
-            out = out[cache_rows]
-        out = out.transpose(1, 2).reshape(bsz, seqlen, c.q_size)
-        return self.o_proj(out, routing)
+        self.kv_cache.write(attn.slot_mapping, k, v)
+        out = paged_attention(
+            q,
+            self.kv_cache.k,
+            self.kv_cache.v,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start,
+            self.scale,
+            self.window or 0,
+        )
+        return self.o_proj(out.view(n, c.q_size), routing)
 
 
 class MLP(nn.Module):
@@ -281,7 +263,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, kv_cache: KVCache, window: int | None) -> None:
+    def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, kv_cache, window)
@@ -289,35 +271,35 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, cache_rows: Tensor,
-        prefill: bool, routing: Routing | None,
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
+        routing: Routing | None,
     ) -> Tensor:  # fmt: skip
-        x = x + self.self_attn(
-            self.input_layernorm(x), cos, sin, positions, cache_rows, prefill, routing
-        )
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, routing)
         return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, with a static KV cache.
+    """Embedding, decoder layers, final norm and LM head, over a paged KV cache.
 
     Args:
         config: the architecture.
-        max_batch: KV cache rows (the most requests in flight).
-        max_seq_len: positions per KV cache row (prompt plus generated tokens).
+        num_pages: KV cache pages per layer (:mod:`lora_graph.paging`; page 0 is scratch).
+        page_size: token positions per page.
+        max_seq_len: positions of the RoPE tables (the longest request).
         dtype: parameter, activation and KV cache dtype.
     """
 
-    def __init__(
-        self, config: LlamaConfig, *, max_batch: int, max_seq_len: int, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int,
+                 max_seq_len: int, dtype: torch.dtype) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 config,
-                KVCache(max_batch, max_seq_len, config.num_key_value_heads, config.head_dim, dtype),
+                PagedKVCache(
+                    num_pages, page_size, config.num_key_value_heads, config.head_dim, dtype
+                ),
                 config.window(i),
             )
             for i in range(config.num_hidden_layers)
@@ -335,35 +317,38 @@ class LlamaModel(nn.Module):
         self,
         tokens: Tensor,
         positions: Tensor,
-        cache_rows: Tensor,
-        logits_index: Tensor | None,
-        prefill: bool,
+        slot_mapping: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start: Tensor,
+        logits_index: Tensor | None = None,
         routing: Routing | None = None,
     ) -> Tensor:
-        """One step.
+        """One packed step (the inputs are :mod:`lora_graph.step`'s, int32).
 
         Args:
-            tokens: ``[B, T]`` int64 token ids.
-            positions: ``[B, T]`` int64 positions (prefill: ``0..T-1`` per row).
-            cache_rows: ``[B]`` int64 KV cache row of each batch row.
-            logits_index: ``[B]`` int64 position within ``T`` whose logits to return per
-                row, or ``None`` for the logits of every token.
-            prefill: True to attend within the step's own tokens (rows start at 0);
-                False for decode (``T == 1``) over the cache.
+            tokens, positions, slot_mapping: ``[T]`` the step's tokens, their positions,
+                and where their K and V go in the paged cache.
+            block_tables, seq_lens, query_start: ``[S, P]``, ``[S]``, ``[S + 1]``: each
+                request's pages, length after the step, and token offsets in the step.
+            logits_index: ``[S]`` the token whose logits each request returns, or None for
+                the logits of every token.
             routing: the step's LoRA routing (:mod:`lora_graph.routing`), handed to every
                 LoRA layer; None for a base-only step.
 
         Returns:
-            float32 logits ``[B, vocab]`` (or ``[B, T, vocab]`` when ``logits_index`` is None).
+            float32 logits ``[S, vocab]`` (``[T, vocab]`` when ``logits_index`` is None).
         """
         x = self.embed_tokens(tokens, routing)
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
+        attn = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start)
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, cache_rows, prefill, routing)
-        if logits_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return self.lm_head(self.norm(x), routing).float()
+            x = layer(x, cos, sin, attn, routing)
+        if logits_index is None:
+            # [1, T, hidden]: a per-segment LM head routes a 3-D input by token
+            return self.lm_head(self.norm(x)[None], routing)[0].float()
+        return self.lm_head(self.norm(x[logits_index]), routing).float()
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
@@ -468,7 +453,11 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     def _instantiate_module(self, config: LlamaConfig) -> LlamaModel:
         return LlamaModel(
-            config, max_batch=self.max_batch_size, max_seq_len=self.max_seq_len, dtype=self.dtype
+            config,
+            num_pages=self.num_kv_pages,
+            page_size=self.page_size,
+            max_seq_len=self.max_seq_len,
+            dtype=self.dtype,
         )
 
     @property
@@ -487,17 +476,9 @@ class LlamaPipeline(PipelineModelWithKVCache):
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         return hf_weights_adapter(state_dict)
 
-    def kv_cache_bytes(self) -> int:
+    def kv_bytes_per_token(self) -> int:
         c = self.config
-        return (
-            2
-            * c.num_hidden_layers
-            * self.max_batch_size
-            * c.num_key_value_heads
-            * self.max_seq_len
-            * c.head_dim
-            * self.dtype.itemsize
-        )
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def compile_regions(self) -> list[nn.Module]:
         return list(self.model.layers)
