@@ -2,13 +2,15 @@
 
 Llama-3-8B shapes (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab
 128256), random bfloat16 weights, rank-16 adapters on all seven linears. For each batch
-size it times one decode step (median of CUDA-event-timed replays) for:
+size it times one packed decode step (median of CUDA-event-timed replays; the requests'
+contexts spread around ``--context``, read through their block tables) for:
 
     (a) the engine with LoRA disabled          (b) LoRA enabled, base-only batches
     (c) one adapter for every row              (d) 4 distinct adapters mixed
     (e) 16 distinct adapters mixed             peft: transformers + peft, (a) and (d)
 
-and the floor: weight bytes over the device copy bandwidth measured in the same run.
+and the floor: the weight bytes plus the KV bytes the step reads, over the device copy
+bandwidth measured in the same run.
 
     python bench/decode.py                      # the H200 run (writes bench/out/decode.json)
     python bench/decode.py --smoke              # tiny shapes on the CPU, to check it runs
@@ -115,47 +117,49 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
     )
 
 
-class Row:
-    def __init__(self, adapter: str | None) -> None:
-        self.adapter = adapter
+def contexts(batch: int, mean: int) -> list[int]:
+    """Mixed context lengths with mean ``mean``: spread evenly over ``[mean/2, 3*mean/2]``."""
+    if batch == 1:
+        return [mean]
+    return [round(mean / 2 + mean * i / (batch - 1)) for i in range(batch)]
 
 
 def time_engine_step(
     pipe, batch: int, adapters: list[str | None], *, context: int, reps: int
 ) -> float:
-    """Median ms of one decode step (input copy + graph replay) over ``reps`` replays."""
+    """Median ms of one packed decode step of ``batch`` requests at mixed contexts of mean
+    ``context`` (:func:`contexts`; their pages hold zeros): the step inputs' copy and the
+    graph replay, over ``reps`` replays."""
+    from lora_graph.step import SeqChunk
+
     dev = pipe.device
-    width = pipe.decode_width(batch)
-    rows = [Row(a) for a in adapters] + [Row(None)] * (width - batch)
-    if pipe.manager is not None:
-        rows = pipe.manager.sort_lora_batch(rows)
-    tokens = torch.randint(0, pipe.config.vocab_size, (width, 1), device=dev)
-    positions = torch.full((width, 1), context, dtype=torch.long, device=dev)
-    inputs = pipe.prepare(
-        rows,
-        tokens=tokens,
-        positions=positions,
-        cache_rows=torch.arange(width, device=dev),
-        logits_index=torch.zeros(width, dtype=torch.long, device=dev),
-        prefill=False,
-    )
-    for _ in range(3):
-        pipe.execute(inputs)
-    if dev.type != "cuda":
+    g = torch.Generator().manual_seed(batch)
+    chunks = []
+    for adapter, ctx in zip(adapters, contexts(batch, context), strict=True):
+        token = int(torch.randint(0, pipe.config.vocab_size, (), generator=g))
+        pages = pipe.pages.allocate(pipe.pages.pages_for(ctx + 1))
+        chunks.append(SeqChunk(adapter, [token], ctx, pages))
+    try:
+        inputs = pipe.prepare(chunks)
+        for _ in range(3):
+            pipe.execute(inputs)
         times = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            if dev.type != "cuda":
+                t0 = time.perf_counter()
+                pipe.execute(inputs)
+                times.append((time.perf_counter() - t0) * 1e3)
+                continue
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
             pipe.execute(inputs)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pipe.execute(inputs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    finally:
+        for c in chunks:
+            pipe.pages.free(c.pages)
     return statistics.median(times)
 
 
@@ -203,7 +207,18 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--mode", default="cudagraph", choices=["cudagraph", "inductor"])
     parser.add_argument(
-        "--context", type=int, default=64, help="KV positions before the timed step (default 64)"
+        "--context",
+        type=int,
+        default=64,
+        help="mean KV positions before the timed step, spread over [context/2, 3*context/2] "
+        "across the batch (default 64)",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="the pipelines' max_seq_len (default: 3*context/2 + 64); a decode step reads "
+        "the pages its requests hold, so this should not change its time",
     )
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument(
@@ -252,10 +267,17 @@ def main() -> None:
         for k, v in weights.items()
         if not (hf_config.tie_word_embeddings and "lm_head" in k)
     )
-    floor_ms = weight_bytes / bw * 1e3
+    head_dim = shapes["hidden_size"] // shapes["num_attention_heads"]
+    kv_token_bytes = 2 * shapes["num_hidden_layers"] * shapes["num_key_value_heads"] * head_dim * 2
+
+    def floor_ms(batch: int) -> float:
+        """Weights plus the KV bytes the step reads, over the copy bandwidth."""
+        kv = sum(c + 1 for c in contexts(batch, args.context)) * kv_token_bytes
+        return (weight_bytes + kv) / bw * 1e3
+
     print(
-        f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, floor "
-        f"{floor_ms:.3f} ms",
+        f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
+        f"KV {kv_token_bytes / 1e3:.0f} kB a token, mean context {args.context}",
         flush=True,
     )
 
@@ -266,7 +288,8 @@ def main() -> None:
         dtype=torch.bfloat16,
         device=device,
         max_batch_size=max_batch,
-        max_seq_len=args.context + 64,
+        max_seq_len=args.max_seq_len or (3 * args.context // 2 + 64),
+        max_num_batched_tokens=max(max_batch, 16),
         weights=weights,
     )
     results: dict = {
@@ -274,7 +297,8 @@ def main() -> None:
         "torch": torch.__version__,
         "copy_bandwidth_TBps": bw / 1e12,
         "weight_GB": weight_bytes / 1e9,
-        "floor_ms": floor_ms,
+        "context": args.context,
+        "kv_bytes_per_token": kv_token_bytes,
         "mode": args.mode,
         "backend": args.backend,
         "targets": args.targets,
@@ -284,7 +308,7 @@ def main() -> None:
 
     t0 = time.time()
     plain = LlamaPipeline(str(work / "base"), **common)
-    plain.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
+    plain.enable_compile(args.mode, token_buckets=args.batch_sizes)
     print(f"(a) captured in {time.time() - t0:.1f} s", flush=True)
     a_ms = {
         b: time_engine_step(plain, b, [None] * b, context=args.context, reps=args.reps)
@@ -304,7 +328,7 @@ def main() -> None:
         **common,
         lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend, targets=targets),
     )
-    lora.enable_compile(args.mode, decode_buckets=args.batch_sizes, prefill_lengths=())
+    lora.enable_compile(args.mode, token_buckets=args.batch_sizes)
     print(f"(b-e) captured in {time.time() - t0:.1f} s", flush=True)
     t0 = time.time()
     for name in names:
@@ -366,9 +390,10 @@ def main() -> None:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for b, r in rows.items():
         peft_a, peft_d = r.get("peft_a", float("nan")), r.get("peft_d", float("nan"))
+        floor = floor_ms(b)
         cells = [
             b,
-            floor_ms,
+            floor,
             r["a"],
             r["b"],
             r["c"],
@@ -377,7 +402,7 @@ def main() -> None:
             b / r["a"] * 1e3,
             b / r["d"] * 1e3,
             b / r["e"] * 1e3,
-            r["a"] / floor_ms,
+            r["a"] / floor,
             r["b"] / r["a"],
             r["c"] / r["a"],
             r["d"] / r["a"],
@@ -390,7 +415,7 @@ def main() -> None:
         lines.append(
             "| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |"
         )
-        results["rows"].append({"batch": b, **r})
+        results["rows"].append({"batch": b, "floor_ms": floor, **r})
     table = "\n".join(lines)
     results["table"] = table
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

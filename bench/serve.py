@@ -84,6 +84,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--max-batch-size", type=int, default=64, help="requests in flight (default: 64)"
     )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens in one step, decodes plus prompt chunks (default: 2048)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="the pipelines' max_seq_len (default: the longest prompt + --output-len + 1)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache positions (default: sized from free memory on CUDA)",
+    )
     p.add_argument("--max-loras", type=int, default=8, help="device slots (default: 8)")
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
@@ -151,6 +169,8 @@ def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict
         outputs.update(engine.finished)
         engine.finished.clear()
     wall = max(t for o in outputs.values() for t in o.token_times) - start
+    if engine.pages.num_free != engine.pages.capacity:
+        raise RuntimeError("pages were not all returned to the pool")
     errors = [o.error for o in outputs.values() if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
@@ -171,6 +191,7 @@ def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict
         itl_p50_ms=1e3 * pct(itl, 0.5),
         itl_p90_ms=1e3 * pct(itl, 0.9),
         steps=dict(engine.steps),
+        preemptions=engine.preemptions,
         requests=len(outputs),
     )
 
@@ -234,11 +255,13 @@ def main() -> None:
         shapes = dict(SMOKE)
         args.requests, args.prompt_len, args.output_len = min(args.requests, 8), [4, 40], 4
         args.max_batch_size, args.adapters, args.max_loras = 4, min(args.adapters, 3), 2
+        # chunked prefill and a KV cache small enough to preempt
+        args.max_num_batched_tokens, args.kv_cache_tokens = 16, 64
         args.compile = "none" if args.compile == "cudagraph" else args.compile
         args.peft_requests = min(args.peft_requests, 2)
         if math.isfinite(args.rate):
             args.rate = max(args.rate, 50.0)
-    max_seq_len = args.prompt_len[1] + args.output_len + 1
+    max_seq_len = args.max_seq_len or args.prompt_len[1] + args.output_len + 1
     shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max_seq_len)
     work = Path(tempfile.mkdtemp(prefix="lora_graph_serve_"))
     hf_config = LlamaConfig(**shapes)
@@ -263,6 +286,8 @@ def main() -> None:
         device=device,
         max_batch_size=args.max_batch_size,
         max_seq_len=max_seq_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
         weights=weights,
     )
     results: dict = {
@@ -283,6 +308,7 @@ def main() -> None:
         warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(reqs[:2])]
         serve(engine, warm, 2, base_only=base_only)  # first-call costs out of the numbers
         engine.steps = {"prefill": 0, "decode": 0}
+        engine.preemptions = 0
         m = serve(engine, reqs, args.output_len, base_only=base_only)
         m["capture_s"] = capture
         results["runs"][label] = m

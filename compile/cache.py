@@ -49,7 +49,7 @@ class CapturedGraph:
 
     @property
     def lora_ops(self) -> frozenset[str]:
-        return frozenset(op for op in self.ops if op.startswith("lora_graph."))
+        return frozenset(op for op in self.ops if op.startswith("lora_graph.lora_"))
 
 
 def _op_names(gm: torch.fx.GraphModule) -> frozenset[str]:

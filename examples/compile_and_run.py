@@ -1,4 +1,5 @@
-"""Load a model and adapters, capture every bucket, print the capture keys, run a mixed batch.
+"""Load a model and adapters, capture every token bucket, print the capture keys, run a mixed
+batch (packed steps: prefill chunks and decodes together).
 
 With no arguments: the bundled demo model and adapters, on the GPU with CUDA graphs if
 there is one, else on the CPU with torch.compile (inductor).
@@ -8,7 +9,7 @@ there is one, else on the CPU with torch.compile (inductor).
 Adapters are loaded *after* the capture: they ride into the captured graphs as inputs,
 so loading them compiles nothing. A LoRA layer graph's inputs do not grow with the slots:
 each LoRA layer passes its two stacked views of the slot pool and the step's routing
-(24 inputs for the demo model's decoder layer at any ``--max-loras``; before the stacked
+(26 inputs for the demo model's decoder layer at any ``--max-loras``; before the stacked
 views, 56 at 4 slots and 152 at 16).
 """
 
@@ -62,18 +63,19 @@ def main() -> None:
         device=args.device,
         max_batch_size=8,
         max_seq_len=128,
+        max_num_batched_tokens=32,
         lora=LoRAConfig(max_slots=args.max_loras or max(1, len(loras)), max_rank=64),
     )
     start = time.perf_counter()
-    graphs = pipe.enable_compile(args.compile, decode_buckets=(4, 8), prefill_lengths=(16,))
+    graphs = pipe.enable_compile(args.compile, token_buckets=(8, 32))
     print(
         f"captured {len(graphs.graphs)} graphs in {time.perf_counter() - start:.1f} s "
         f"({args.compile}, {args.device})"
     )
     for key, graph in graphs.graphs.items():
-        kind = "no LoRA op" if isinstance(key, LoraBaseOnly) else ", ".join(sorted(graph.lora_ops))
+        kind = "none" if isinstance(key, LoraBaseOnly) else ", ".join(sorted(graph.lora_ops))
         print(
-            f"  {str(key):42s} layer graphs compiled: {graph.compiles}  layer graph inputs: "
+            f"  {str(key):36s} layer graphs compiled: {graph.compiles}  layer graph inputs: "
             f"{graph.inputs}  LoRA ops: {kind}"
         )
 

@@ -55,6 +55,9 @@ def build_engine(
     max_batch_size: int,
     max_seq_len: int | None,
     compile_mode: str = "none",
+    max_num_batched_tokens: int | None = None,
+    kv_cache_tokens: int | None = None,
+    gpu_memory_utilization: float = 0.9,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
 
@@ -71,9 +74,13 @@ def build_engine(
         ("--max-lora-rank", max_lora_rank, 1),
         ("--max-batch-size", max_batch_size, 1),
         ("--max-seq-len", max_seq_len or 2, 2),
+        ("--max-num-batched-tokens", max_num_batched_tokens or max_batch_size, max_batch_size),
+        ("--kv-cache-tokens", kv_cache_tokens or 1, 1),
     ):
         if value < least:
             raise CliError(f"{flag} must be at least {least}, got {value}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise CliError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     names = [spec.partition("=")[0] for spec in loras]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -98,14 +105,18 @@ def build_engine(
             device=device,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
+            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_batch_size),
+            kv_cache_tokens=kv_cache_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
         )
     except MemoryBudgetError as e:
-        raise CliError(
-            str(e)
-            .replace("max_batch_size", "--max-batch-size")
-            .replace("max_seq_len", "--max-seq-len")
-        ) from e
+        message = str(e)
+        for name in (
+            "max_batch_size", "max_seq_len", "kv_cache_tokens", "gpu_memory_utilization"
+        ):  # fmt: skip
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise CliError(message) from e
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {e}") from e
     if compile_mode != "none":
@@ -345,6 +356,9 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         compile_mode=args.compile,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -503,7 +517,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)"
     )
     gen.add_argument(
-        "--max-batch-size", type=int, default=16, help="requests in flight at once (default: 16)"
+        "--max-batch-size",
+        type=int,
+        default=16,
+        help="requests running at once, and in one step (default: 16)",
+    )
+    gen.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens in one step: decodes plus prompt chunks; longer prompts are prefilled in "
+        "chunks across steps while others decode (default: 2048, at least --max-batch-size)",
+    )
+    gen.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="token positions of the paged KV cache (default: on CUDA, what "
+        "--gpu-memory-utilization leaves; elsewhere --max-batch-size x --max-seq-len); when "
+        "it runs out, the newest request is preempted and recomputed later",
+    )
+    gen.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on CUDA, the fraction of device memory for weights, adapters, activations and "
+        "the KV cache (default: 0.9)",
     )
     gen.add_argument(
         "--max-seq-len",

@@ -214,6 +214,7 @@ def make_pipeline(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     slot_dtype: torch.dtype | None = None,
+    **pipeline_kwargs,
 ):
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
@@ -225,6 +226,7 @@ def make_pipeline(
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
         lora=LoRAConfig(max_slots=max_slots, max_rank=max_rank, dtype=slot_dtype),
+        **pipeline_kwargs,
     )
     for name in load if load is not None else tuple(t.adapters):
         pipe.manager.load_adapter(str(t.adapters[name]), name=name)

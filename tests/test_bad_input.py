@@ -269,8 +269,11 @@ def test_size_typo_says_what_fits(tiny, capsys):
     assert _run(tiny, ["--prompt", "hi", "--max-batch-size", "1000000000"], loras=()) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert "the KV cache for --max-batch-size 1000000000 x --max-seq-len 128 needs" in err
-    assert "GiB is free on cpu; at most --max-batch-size" in err
+    assert "(--max-batch-size 1000000000 x --max-seq-len 128, or --kv-cache-tokens) needs" in err
+    assert "GiB is free on cpu; at most --kv-cache-tokens" in err
+    # a KV cache too small for one request of --max-seq-len would strand a long request
+    assert _run(tiny, ["--prompt", "hi", "--kv-cache-tokens", "16"], loras=()) == 2
+    assert "cannot hold one request of max_seq_len 128" in capsys.readouterr().err
 
 
 # ---- adapters ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from conftest import ALL_LINEARS, Row, make_peft_adapter
 
 from lora_graph import LoRAConfig
 from lora_graph.models import LlamaPipeline
+from lora_graph.step import SeqChunk
 
 TARGET_SETS = [
     ["q_proj", "v_proj"],
@@ -72,18 +73,17 @@ def test_churn_every_row_matches_peft(tiny, tmp_path):
         width = rng.randint(1, 6)
         chosen = rng.sample([n for n in names if n is not None], rng.randint(0, 3))
         rows = [Row(rng.choice([*chosen, None]) if chosen else None) for _ in range(width)]
-        rows = pipe.manager.sort_lora_batch(rows)
         tokens = [rng.choice(TOKENS) for _ in rows]
-        inputs = pipe.prepare(
-            rows,
-            tokens=torch.tensor(tokens)[:, None],
-            positions=torch.zeros(width, 1, dtype=torch.long),
-            cache_rows=torch.arange(width),
-            logits_index=torch.zeros(width, dtype=torch.long),
-            prefill=False,
-        )
+        chunks = [
+            SeqChunk(r.adapter, [t], 0, pipe.pages.allocate(1), owner=(r, t))
+            for r, t in zip(rows, tokens, strict=True)
+        ]
+        inputs = pipe.prepare(chunks)
         logits = pipe.execute(inputs)
-        for row, token, got in zip(rows, tokens, logits, strict=True):
+        for c in chunks:
+            pipe.pages.free(c.pages)
+        rows, tokens = zip(*(c.owner for c in inputs.chunks), strict=True)
+        for row, token, got in zip(rows, tokens, logits[: len(rows)], strict=True):
             torch.testing.assert_close(
                 got,
                 reference[(token, row.adapter)],

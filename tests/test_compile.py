@@ -1,7 +1,7 @@
 """Captured graphs against eager (invariants 6 and 7), and no recompiles.
 
-One small capture per mode (two decode buckets, one prefill length), shared by the
-module: inductor on the CPU in CI; CUDA graphs on a GPU (skipped without one).
+One small capture per mode (token buckets 4 and 16), shared by the module: inductor on
+the CPU in CI; CUDA graphs on a GPU (skipped without one).
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import json
 
 import pytest
 import torch
-from conftest import Row, make_pipeline, prompts
+from conftest import make_pipeline, prompts
 
 from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, node_capture_key
+from lora_graph.step import SeqChunk
 
 pytestmark = pytest.mark.compile
 
@@ -29,21 +30,23 @@ MODES = [
 @pytest.fixture(scope="module", params=MODES)
 def pair(request, tiny):
     device, mode = request.param
-    compiled = make_pipeline(tiny, max_batch_size=4, device=device)
-    compiled.enable_compile(mode, decode_buckets=(2, 4), prefill_lengths=(16,), progress=False)
-    eager = make_pipeline(tiny, max_batch_size=4, device=device)
+    kw = dict(max_batch_size=4, max_num_batched_tokens=16, device=device)
+    compiled = make_pipeline(tiny, **kw)
+    compiled.enable_compile(mode, token_buckets=(4, 16), progress=False)
+    eager = make_pipeline(tiny, **kw)
     return compiled, eager
 
 
 def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
     compiled, _ = pair
     keys = set(compiled.graphs.graphs)
-    own = [CaptureKey("decode", 2), CaptureKey("decode", 4), CaptureKey("prefill", 1, 16)]
+    own = [CaptureKey(4, 4), CaptureKey(16, 4)]
     assert keys == {*own, *(LoraBaseOnly(k) for k in own)}
     assert node_capture_key(LoraBaseOnly(own[0])) == own[0] == node_capture_key(own[0])
-    assert str(LoraBaseOnly(own[0])) == "base-only decode(batch=2, seq_len=1)"
+    assert str(LoraBaseOnly(own[0])) == "base-only step(tokens=4, seqs=4)"
     for key, graph in compiled.graphs.graphs.items():
         assert graph.compiles == 1, (key, graph.compiles)  # one layer graph serves every layer
+        assert "lora_graph.paged_attention" in graph.ops, key
         if isinstance(key, LoraBaseOnly):
             assert graph.lora_ops == frozenset(), key
         else:
@@ -53,83 +56,69 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
             assert kinds in ({"shrink", "expand"}, {"linear"}), (key, graph.lora_ops)
 
 
-def _prefill_rows(pipe, batch, adapters):
-    """Eager batched prefill of rows 0..n-1 (the same on both pipelines)."""
-    order = sorted(
-        range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i]))
-    )
-    length = max(len(p) for p in batch)
-    dev = pipe.device
-    tokens = torch.zeros(len(batch), length, dtype=torch.long)
-    for j, i in enumerate(order):
-        tokens[j, : len(batch[i])] = torch.tensor(batch[i])
-    pipe.execute(
-        pipe.prepare(
-            [Row(adapters[i]) for i in order],
-            tokens=tokens.to(dev),
-            positions=torch.arange(length, device=dev).expand(len(batch), length),
-            cache_rows=torch.tensor(order, device=dev),
-            logits_index=torch.tensor([len(batch[i]) - 1 for i in order], device=dev),
-            prefill=True,
-        )
-    )
+class Requests:
+    """Requests driven step by step on one pipeline: their tokens so far and pages."""
 
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.pages: dict[str, list[int]] = {}
+        self.done: dict[str, int] = {}
 
-def _decode(pipe, adapters, tokens, positions):
-    """One decode step over rows 0..n-1 under ``adapters`` (sorted here); logits by row."""
-    n = len(adapters)
-    order = sorted(range(n), key=lambda i: (adapters[i] is None, adapters.index(adapters[i])))
-    width = pipe.decode_width(n)
-    order += list(range(n, width))  # padding rows: free cache rows, base
-    rows = [Row(adapters[i] if i < n else None) for i in order]
-    dev = pipe.device
-    tok = torch.tensor([[tokens[i] if i < n else 0] for i in order], device=dev)
-    pos = torch.tensor([[positions[i] if i < n else 0] for i in order], device=dev)
-    inputs = pipe.prepare(
-        rows,
-        tokens=tok,
-        positions=pos,
-        cache_rows=torch.tensor(order, device=dev),
-        logits_index=torch.zeros(width, dtype=torch.long, device=dev),
-        prefill=False,
-    )
-    logits = pipe.execute(inputs).clone()
-    out = torch.empty(n, logits.shape[-1], device=dev)
-    for j, i in enumerate(order):
-        if i < n:
-            out[i] = logits[j]
-    return out
+    def step(self, chunks: list[tuple[str, str | None, list[int]]]) -> dict[str, torch.Tensor]:
+        """Run ``(request, adapter, new tokens)`` chunks as one packed step; each request's
+        last-token logits."""
+        pipe = self.pipe
+        specs = []
+        for rid, adapter, ids in chunks:
+            if rid not in self.pages:
+                self.pages[rid] = pipe.pages.allocate(pipe.pages.pages_for(pipe.max_seq_len))
+                self.done[rid] = 0
+            specs.append(SeqChunk(adapter, ids, self.done[rid], self.pages[rid], owner=rid))
+            self.done[rid] += len(ids)
+        inputs = pipe.prepare(specs)
+        logits = pipe.execute(inputs)
+        return {c.owner: logits[i].clone() for i, c in enumerate(inputs.chunks)}
+
+    def free(self):
+        for pages in self.pages.values():
+            self.pipe.pages.free(pages)
+        self.pages.clear()
 
 
 def test_compiled_steps_equal_eager_across_mixes(pair):
+    """Packed steps mixing prefill chunks and decodes under several adapters, padded into
+    both buckets: the compiled step equals the eager one, replays the expected graph, and
+    never recompiles."""
     compiled, eager = pair
     graphs = compiled.graphs
     unique_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    batch = prompts(4, seed=31, max_len=8)
-    for pipe in pair:
-        _prefill_rows(pipe, batch, ["A", "B", None, "C"])
-    positions = [len(p) for p in batch]
-    mixes = [
-        [None, None, None, None],  # all base: the base-only graph
-        ["A", None, "B", "D"],  # mixed (D: embedding and LM head)
-        ["C", "C", "C", "C"],  # one adapter for every row
-        ["A", "B", "C", "D"],  # all distinct: more groups than at capture (none)
-        [None, None, None, None],
-        ["B", None, "A"],  # 3 rows padded into the bucket of 4
-        ["C", "A"],  # bucket 2
+    p = prompts(4, seed=31, min_len=9, max_len=12)
+    steps = [
+        [("r0", "A", p[0][:6]), ("r1", None, p[1][:5])],  # two prefill chunks
+        [("r0", "A", p[0][6:]), ("r1", None, p[1][5:9])],  # their next chunks
+        [("r0", "A", [5]), ("r2", "B", p[2][:8]), ("r3", "D", p[3][:4])],  # decode + prefills
+        [("r0", "A", [6]), ("r1", None, [7]), ("r2", "B", [8]), ("r3", "D", [9])],  # decodes
+        [("r1", None, [10])],  # base only, padded to 4 tokens
+        [("r2", "B", p[2][8:]), ("r3", "D", p[3][4:])],  # last chunks
+        [("r0", "A", [11]), ("r1", None, [12]), ("r2", "C", [13])],  # r2 under another adapter
     ]
-    for step, mix in enumerate(mixes):
-        n = len(mix)
-        tokens = [(7 * step + i) % 100 + 3 for i in range(n)]
-        before = {k: g.replays for k, g in graphs.graphs.items()}
-        got = _decode(compiled, mix, tokens, positions[:n])
-        want = _decode(eager, mix, tokens, positions[:n])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"step {step} mix {mix}")
-        replayed = [k for k, g in graphs.graphs.items() if g.replays > before[k]]
-        expected = CaptureKey("decode", 2 if n <= 2 else 4)
-        assert replayed == [expected if any(mix) else LoraBaseOnly(expected)], (step, replayed)
-        for i in range(n):
-            positions[i] += 1
+    runs = [Requests(compiled), Requests(eager)]
+    try:
+        for step, chunks in enumerate(steps):
+            before = {k: g.replays for k, g in graphs.graphs.items()}
+            got, want = (r.step(chunks) for r in runs)
+            for rid in want:
+                torch.testing.assert_close(
+                    got[rid], want[rid], rtol=1e-4, atol=1e-4, msg=f"step {step} {rid}"
+                )
+            replayed = [k for k, g in graphs.graphs.items() if g.replays > before[k]]
+            n = sum(len(ids) for _, _, ids in chunks)
+            expected = CaptureKey(4 if n <= 4 else 16, 4)
+            lora = any(a is not None for _, a, _ in chunks)
+            assert replayed == [expected if lora else LoraBaseOnly(expected)], (step, replayed)
+    finally:
+        for r in runs:
+            r.free()
     assert graphs.recompiles == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == unique_graphs
 
@@ -139,7 +128,7 @@ def test_replacing_an_adapter_changes_output_without_recompile(pair, tmp_path):
 
     compiled, eager = pair
     graphs = compiled.graphs
-    prompt = prompts(1, seed=32, max_len=8)
+    prompt = prompts(1, seed=32, max_len=8)[0]
     src = load_file(str(compiled.manager.adapter("A").source.weights_path))
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "adapter_config.json").write_text(
@@ -151,14 +140,17 @@ def test_replacing_an_adapter_changes_output_without_recompile(pair, tmp_path):
             {k: (v * factor if "lora_B" in k else v).contiguous() for k, v in src.items()},
             str(tmp_path / "x" / "adapter_model.safetensors"),
         )
+        outs = []
         for pipe in pair:
             pipe.manager.load_adapter(str(tmp_path / "x"), name="x")
-            _prefill_rows(pipe, prompt, ["x"])
-        got = _decode(compiled, ["x", None], [5, 6], [len(prompt[0]), 0])
-        torch.testing.assert_close(
-            got, _decode(eager, ["x", None], [5, 6], [len(prompt[0]), 0]), rtol=1e-4, atol=1e-4
-        )
-        results.append(got[0])
+            run = Requests(pipe)
+            try:
+                run.step([("a", "x", prompt), ("b", None, [3, 4])])
+                outs.append(run.step([("a", "x", [5]), ("b", None, [6])]))
+            finally:
+                run.free()
+        torch.testing.assert_close(outs[0]["a"], outs[1]["a"], rtol=1e-4, atol=1e-4)
+        results.append(outs[0]["a"])
     assert not torch.allclose(results[0], results[1], atol=1e-3)
     assert graphs.recompiles == 0
 
@@ -168,8 +160,8 @@ def test_engine_through_graphs_matches_eager_engine(pair):
 
     compiled, eager = pair
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    # five prompts within the 16-token prefill bucket (one graph replay each), two beyond it
-    # (prefilled together in one eager call)
+    # five short prompts, two longer than the 16-token step (prefilled in chunks while the
+    # others decode)
     batch = prompts(5, seed=33) + prompts(2, seed=34, min_len=20, max_len=30)
     adapters = ["A", None, "B", "C", "D", "A", None]
     reqs = [
@@ -191,8 +183,11 @@ def test_a_dropped_pipeline_frees_its_memory(tiny):
     from conftest import make_pipeline
 
     pipe = make_pipeline(tiny, load=("A",), max_batch_size=2)
-    pipe.enable_compile("inductor", decode_buckets=(1,), prefill_lengths=(), progress=False)
-    _decode(pipe, ["A"], [5], [3])
+    pipe.enable_compile("inductor", token_buckets=(2,), progress=False)
+    run = Requests(pipe)
+    run.step([("a", "A", [5, 6])])
+    run.free()
+    del run
     refs = [weakref.ref(x) for x in (pipe, pipe.model, pipe.manager.pool, pipe.graphs)]
     del pipe
     gc.collect()

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Row, make_peft_adapter, make_pipeline, prompts
+from conftest import make_peft_adapter, make_pipeline, prompts
 from safetensors.torch import load_file
 
 from lora_graph import AdapterError, LoRAConfig
 from lora_graph.engine import LLMEngine, Request, SamplingParams
+from lora_graph.step import SeqChunk
 
 LINEAR_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _prefill_trace(pipe, ids, adapters):
-    """Rows of one prefill of the same prompt under each adapter: (embedding output,
-    final-norm output, all-position logits)."""
+    """Rows of one packed prefill of the same prompt under each adapter, ``[adapter,
+    position, ...]``: (embedding output, final-norm output, all-position logits)."""
     n = len(adapters)
     seen: dict[str, torch.Tensor] = {}
     inner = pipe.model
@@ -27,23 +28,26 @@ def _prefill_trace(pipe, ids, adapters):
         ),
         inner.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm", o.clone())),
     ]
+    chunks = [
+        SeqChunk(a, ids, 0, pipe.pages.allocate(pipe.pages.pages_for(len(ids))), owner=k)
+        for k, a in enumerate(adapters)
+    ]
     try:
-        rows = [Row(a) for a in adapters]
-        tokens = torch.tensor([ids] * n)
-        logits = pipe.execute(
-            pipe.prepare(
-                rows,
-                tokens=tokens,
-                positions=torch.arange(len(ids)).expand(n, -1),
-                cache_rows=torch.arange(n),
-                logits_index=None,
-                prefill=True,
-            )
-        )
+        inputs = pipe.prepare(chunks, all_logits=True)
+        logits = pipe.execute(inputs)
     finally:
         for h in hooks:
             h.remove()
-    return seen["embed"], seen["norm"], logits
+        for c in chunks:
+            pipe.pages.free(c.pages)
+    # the step's tokens are the chunks' in step order: back to [request, position, ...]
+    order = [c.owner for c in inputs.chunks]
+    back = [order.index(k) for k in range(n)]
+
+    def per_request(x):
+        return x.view(n, len(ids), *x.shape[1:])[back]
+
+    return per_request(seen["embed"]), per_request(seen["norm"]), per_request(logits)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def test_embedding_delta_is_the_gathered_column_tied(tied_adapters):
 
 def test_generation_with_embedding_and_lm_head_matches_peft(tiny_factory, reference_factory):
     """Greedy decoding (the LM head routed per request at decode and at a batched,
-    right-padded prefill) on a tied model, for D (embedding + LM head + linears) among others."""
+    packed prefill) on a tied model, for D (embedding + LM head + linears) among others."""
     t = tiny_factory("tied")
     ref = reference_factory(t)
     engine = LLMEngine(make_pipeline(t))

@@ -4,38 +4,33 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Row, make_pipeline, prompts
+from conftest import make_pipeline, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
+from lora_graph.step import SeqChunk
 
 MIX = ["A", None, "B", "A", None, "C", "D"]
 
 
 def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
-    """All-position logits of one batched prefill; row i of the result is request i."""
-    order = sorted(
-        range(len(batch)), key=lambda i: (adapters[i] is None, adapters.index(adapters[i]))
-    )
-    rows = [Row(adapters[i]) for i in order]
-    length = max(len(p) for p in batch)
-    tokens = torch.zeros(len(batch), length, dtype=torch.long)
-    for j, i in enumerate(order):
-        tokens[j, : len(batch[i])] = torch.tensor(batch[i])
-    dev = pipe.device
-    positions = torch.arange(length).expand(len(batch), length)
-    inputs = pipe.prepare(
-        rows,
-        tokens=tokens.to(dev),
-        positions=positions.to(dev),
-        cache_rows=torch.arange(len(batch), device=dev),
-        logits_index=None,
-        prefill=True,
-    )
-    logits = pipe.execute(inputs)
+    """All-position logits of one packed prefill step; item i of the result is request i.
+    Each request's pages are taken from the pipeline's pool and given back after."""
+    chunks = []
+    for i, (ids, adapter) in enumerate(zip(batch, adapters, strict=True)):
+        pages = pipe.pages.allocate(pipe.pages.pages_for(len(ids)))
+        chunks.append(SeqChunk(adapter, ids, 0, pages, owner=i))
+    try:
+        inputs = pipe.prepare(chunks, all_logits=True)
+        logits = pipe.execute(inputs)
+    finally:
+        for c in chunks:
+            pipe.pages.free(c.pages)
     out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
-    for j, i in enumerate(order):
-        out[i] = logits[j, : len(batch[i])]
+    at = 0
+    for c in inputs.chunks:
+        out[c.owner] = logits[at : at + len(c.token_ids)]
+        at += len(c.token_ids)
     return out
 
 
@@ -95,7 +90,8 @@ def test_base_only_batch_calls_no_lora_op(tiny):
         run_prefill(pipe, batch, [None, None, None])
     with OpCounter() as mixed:
         run_prefill(pipe, batch, ["A", None, None])
-    assert not any("lora_graph" in n for n in base_only.names)
+    assert not any("lora_graph.lora_" in n for n in base_only.names)
+    assert any("lora_graph.paged_attention" in n for n in base_only.names)
     assert (
         sum("lora_graph.lora_shrink" in n for n in mixed.names) == 4 * 2 + 1
     )  # 4 targets x 2 layers, LM head
