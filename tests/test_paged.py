@@ -1,0 +1,147 @@
+"""The paged KV cache and packed steps through the engine, against per-request
+transformers + peft: chunked prefill, mixed prefill/decode steps, preemption when the pool
+runs dry, scattered pages, sliding windows through pages, and every page returned."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_pipeline, prompts
+
+from lora_graph.engine import LLMEngine, Request, SamplingParams
+from lora_graph.paging import OutOfPagesError, PagePool
+
+
+def _serve(pipe, reqs):
+    """Generate, and record each step's chunks: (request id, tokens computed, pages)."""
+    engine = LLMEngine(pipe)
+    steps: list[list[tuple[str, int, list[int]]]] = []
+    prepare = pipe.prepare
+
+    def recording(chunks, **kw):
+        steps.append([(c.owner.request.id, len(c.token_ids), list(c.pages)) for c in chunks])
+        return prepare(chunks, **kw)
+
+    pipe.prepare = recording
+    try:
+        outputs = engine.generate(reqs)
+    finally:
+        del pipe.prepare
+    return engine, outputs, steps
+
+
+def _check(ref, reqs, outputs):
+    for r, out in zip(reqs, outputs, strict=True):
+        assert out.error is None, (r.id, out.error)
+        want = ref.greedy(r.prompt_token_ids, r.adapter, r.sampling.max_new_tokens)
+        assert out.token_ids == want, (r.id, r.adapter)
+
+
+def _requests(batch, adapters, n):
+    sampling = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return [
+        Request(str(i), ids, a, sampling)
+        for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))
+    ]
+
+
+def test_prompts_longer_than_the_step_are_prefilled_in_chunks_beside_decodes(
+    tiny, reference_factory
+):
+    """A 12-token step budget: prompts of up to 40 tokens take several steps, and steps
+    mix one request's prompt chunk with others' decodes under other adapters."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=4, max_num_batched_tokens=12)
+    batch = prompts(6, seed=91, min_len=3, max_len=40)
+    reqs = _requests(batch, ["A", None, "B", "D", "C", "A"], 8)
+    engine, outputs, steps = _serve(pipe, reqs)
+    _check(ref, reqs, outputs)
+    assert all(sum(n for _, n, _ in step) <= 12 for step in steps)
+    long_reqs = [r for r in reqs if len(r.prompt_token_ids) > 12]
+    assert long_reqs
+    for r in long_reqs:  # its first chunk is only part of its prompt
+        first = next(n for step in steps for rid, n, _ in step if rid == r.id)
+        assert first < len(r.prompt_token_ids), r.id
+    mixed = [s for s in steps if any(n == 1 for _, n, _ in s) and any(n > 1 for _, n, _ in s)]
+    assert mixed, "no step mixed a prefill chunk with decodes"
+    assert pipe.pages.num_free == pipe.pages.capacity
+
+
+def test_a_pool_too_small_preempts_and_every_output_is_unchanged(tiny, reference_factory):
+    """48 token positions for 4 requests that grow to 20-30 tokens each: the newest is
+    preempted (and recomputed later) when the pool runs dry; outputs equal peft's and every
+    page is back in the pool at the end."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=4, max_seq_len=40, kv_cache_tokens=48, page_size=4)
+    assert pipe.pages.capacity == 12
+    batch = prompts(4, seed=92, min_len=8, max_len=14)
+    reqs = _requests(batch, ["A", "B", None, "A"], 16)
+    engine, outputs, _ = _serve(pipe, reqs)
+    _check(ref, reqs, outputs)
+    assert engine.preemptions > 0
+    assert pipe.pages.num_free == pipe.pages.capacity
+    assert not engine.running and not engine.waiting
+
+
+def test_scattered_pages_after_churn(tiny, reference_factory):
+    """Requests of different lengths come and go, so later ones get pages that are not
+    contiguous nor in order; they still match."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=3, max_seq_len=48, page_size=4)
+    batch = prompts(9, seed=93, min_len=3, max_len=20)
+    adapters = ["A", None, "B", "C", "A", None, "D", "B", None]
+    reqs = [
+        Request(str(i), ids, a, SamplingParams(max_new_tokens=3 + 4 * (i % 3), ignore_eos=True))
+        for i, (ids, a) in enumerate(zip(batch, adapters, strict=True))
+    ]
+    engine, outputs, steps = _serve(pipe, reqs)
+    for r, out in zip(reqs, outputs, strict=True):
+        assert out.token_ids == ref.greedy(r.prompt_token_ids, r.adapter, len(out.token_ids))
+        assert len(out.token_ids) == r.sampling.max_new_tokens
+    tables = [pages for step in steps for _, _, pages in step]
+    assert any(pages != sorted(pages) for pages in tables), "no request got scattered pages"
+    assert pipe.pages.num_free == pipe.pages.capacity
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_sliding_window_through_pages(tiny_factory, reference_factory, page_size):
+    """Qwen2 with a window of 4 on layer 1 only: prompts and generations far past the
+    window, prefilled in chunks across pages, match transformers."""
+    t = tiny_factory("qwen2_window")
+    ref = reference_factory(t)
+    pipe = make_pipeline(t, max_batch_size=3, max_num_batched_tokens=8, page_size=page_size)
+    batch = prompts(3, seed=94, min_len=10, max_len=25)
+    reqs = _requests(batch, ["A", None, "B"], 12)
+    _, outputs, _ = _serve(pipe, reqs)
+    _check(ref, reqs, outputs)
+
+
+def test_abort_returns_the_pages(tiny):
+    pipe = make_pipeline(tiny, max_batch_size=2, page_size=4)
+    engine = LLMEngine(pipe)
+    for i, ids in enumerate(prompts(3, seed=95, min_len=10, max_len=12)):
+        engine.add_request(
+            Request(str(i), ids, "A", SamplingParams(max_new_tokens=20, ignore_eos=True))
+        )
+    engine.step()
+    engine.step()
+    assert pipe.pages.num_free < pipe.pages.capacity
+    for i in range(3):
+        assert engine.abort_request(str(i))
+    assert pipe.pages.num_free == pipe.pages.capacity
+
+
+def test_page_pool_bookkeeping():
+    pool = PagePool(5, 16)
+    assert pool.capacity == pool.num_free == 4 and pool.pages_for(17) == 2
+    pages = pool.allocate(3)
+    assert 0 not in pages and len(set(pages)) == 3
+    with pytest.raises(OutOfPagesError, match="2 pages wanted, 1 free"):
+        pool.allocate(2)
+    assert pool.num_free == 1  # a refused allocation takes nothing
+    pool.free(pages[:1])
+    with pytest.raises(ValueError, match="is not held"):
+        pool.free(pages[:1])
+    with pytest.raises(ValueError, match="is not held"):
+        pool.free([0])  # the scratch page is never handed out
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        PagePool(1, 16)
