@@ -369,14 +369,22 @@ class LLMEngine:
         # requests whose tokens are all computed sample their next one
         rows = [i for i, c in enumerate(inputs.chunks) if c.owner.computed == len(c.owner.tokens)]
         if rows:
-            picked = logits[torch.tensor(rows, device=logits.device)]
+            if rows == list(range(len(rows))):
+                picked = logits[: len(rows)]
+            else:
+                picked = logits[torch.tensor(rows, device=logits.device)]
             self._sample_and_advance([inputs.chunks[i].owner for i in rows], picked)
 
     def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
-        bad_rows = torch.isnan(logits).any(dim=-1).tolist()  # on the device: one small copy
-        logits = logits.float().cpu()
+        # on the device: the NaN check and every greedy token; only the rows that sample
+        # at a temperature come to the host (a step's logits are [S, vocab] float32)
+        bad_rows, greedy = torch.stack(
+            (torch.isnan(logits).any(dim=-1).long(), logits.argmax(dim=-1))
+        ).tolist()
+        hot = [i for i, s in enumerate(seqs) if s.request.sampling.temperature > 0]
+        rows = dict(zip(hot, logits[hot].float().cpu(), strict=True)) if hot else {}
         now = time.perf_counter()
-        for seq, row, bad in zip(seqs, logits, bad_rows, strict=True):
+        for i, (seq, bad) in enumerate(zip(seqs, bad_rows, strict=True)):
             if bad:  # a fault of the model's numerics (a half-precision overflow), not the request
                 self.running.remove(seq)
                 self._release(seq)
@@ -388,7 +396,9 @@ class LLMEngine:
                     "the model produced NaN logits for this request",
                 )
                 continue
-            token = sample(row, seq.request.sampling, seq.generator)
+            token = (
+                greedy[i] if i not in rows else sample(rows[i], seq.request.sampling, seq.generator)
+            )
             self.tokens_generated += 1
             seq.tokens.append(token)
             seq.generated.append(token)
