@@ -16,7 +16,14 @@ WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py", "serve.py"}
 
 
 def test_every_benchmark_is_covered():
-    assert SCRIPTS == ["adapter_load.py", "decode.py", "kernels.py", "precision.py", "serve.py"]
+    assert SCRIPTS == [
+        "adapter_load.py",
+        "attention.py",
+        "decode.py",
+        "kernels.py",
+        "precision.py",
+        "serve.py",
+    ]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
