@@ -220,6 +220,13 @@ def main() -> None:
         help="the pipelines' max_seq_len (default: 3*context/2 + 64); a decode step reads "
         "the pages its requests hold, so this should not change its time",
     )
+    parser.add_argument(
+        "--compare-max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also time (a) on a pipeline of max_seq_len N (a step should not depend on it)",
+    )
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument(
         "--backend", default="auto", choices=["auto", "torch", "triton"], help="LoRA kernels"
@@ -316,6 +323,28 @@ def main() -> None:
     }
     del plain
     torch.cuda.empty_cache() if device.type == "cuda" else None
+    a_long_ms = {}
+    if args.compare_max_seq_len:
+        long_pipe = LlamaPipeline(
+            str(work / "base"), **{**common, "max_seq_len": args.compare_max_seq_len}
+        )
+        long_pipe.enable_compile(args.mode, token_buckets=args.batch_sizes)
+        for b in args.batch_sizes:
+            a_long_ms[b] = time_engine_step(
+                long_pipe, b, [None] * b, context=args.context, reps=args.reps
+            )
+            print(
+                f"(a) batch {b}: max_seq_len {common['max_seq_len']} {a_ms[b]:.3f} ms, "
+                f"{args.compare_max_seq_len} {a_long_ms[b]:.3f} ms "
+                f"({a_long_ms[b] / a_ms[b] - 1:+.1%})",
+                flush=True,
+            )
+        results["compare_max_seq_len"] = {
+            "max_seq_len": [common["max_seq_len"], args.compare_max_seq_len],
+            "a_ms": {b: [a_ms[b], a_long_ms[b]] for b in args.batch_sizes},
+        }
+        del long_pipe
+        torch.cuda.empty_cache() if device.type == "cuda" else None
 
     t0 = time.time()
     if args.no_side_stream:

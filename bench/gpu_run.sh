@@ -2,7 +2,9 @@
 # Everything this project checks and times on a GPU, in stages that each fit one device call:
 #   bash bench/gpu_run.sh tests     GPU tests (CUDA graphs, Triton kernels, parity per backend)
 #   bash bench/gpu_run.sh kernels   bench/kernels.py
-#   bash bench/gpu_run.sh decode    bench/decode.py (Triton backend, CUDA graphs) + bench/adapter_load.py
+#   bash bench/gpu_run.sh decode    bench/decode.py at mean context 1k (Triton backend, CUDA graphs;
+#                                   max_seq_len 8192 compared) + bench/attention.py
+#   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -22,10 +24,14 @@ for stage in "$@"; do
     kernels)
       python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     decode)
+      python3 bench/decode.py --backend triton --context 1024 --compare-max-seq-len 8192 --skip-peft \
+        --json "$OUT/decode_1k.json" 2>&1 | tee "$OUT/decode_1k.log" | grep -v Warning | tail -14
+      python3 bench/attention.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | tail -16 ;;
+    decode64)
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
     serve)
-      python3 bench/serve.py --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
+      python3 bench/serve.py --peft-requests 2 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
     precision)

@@ -195,9 +195,9 @@ class PagedKVCache(nn.Module):
     def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
         ``slot_mapping`` ``[T]`` (``page * page_size + offset``)."""
-        flat = (-1, *self.k.shape[2:])
-        self.k.view(flat).index_put_((slot_mapping,), k)
-        self.v.view(flat).index_put_((slot_mapping,), v)
+        flat, index = (-1, *self.k.shape[2:]), slot_mapping.long()
+        self.k.view(flat).index_put_((index,), k)
+        self.v.view(flat).index_put_((index,), v)
 
 
 class AttentionMetadata(NamedTuple):
@@ -339,7 +339,8 @@ class LlamaModel(nn.Module):
         Returns:
             float32 logits ``[S, vocab]`` (``[T, vocab]`` when ``logits_index`` is None).
         """
-        x = self.embed_tokens(tokens, routing)
+        x = self.embed_tokens(tokens.long(), routing)
+        positions = positions.long()
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         attn = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start)
@@ -348,7 +349,7 @@ class LlamaModel(nn.Module):
         if logits_index is None:
             # [1, T, hidden]: a per-segment LM head routes a 3-D input by token
             return self.lm_head(self.norm(x)[None], routing)[0].float()
-        return self.lm_head(self.norm(x[logits_index]), routing).float()
+        return self.lm_head(self.norm(x[logits_index.long()]), routing).float()
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
