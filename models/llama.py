@@ -182,22 +182,31 @@ class RMSNorm(nn.Module):
 
 
 class PagedKVCache(nn.Module):
-    """One layer's K and V pages, ``[num_pages, page_size, kv_heads, head_dim]`` each
-    (:mod:`lora_graph.paging`), allocated once."""
+    """One layer's K and V pages (:mod:`lora_graph.paging`), allocated once. The buffers are
+    flat, ``[num_pages * page_size, kv_heads, head_dim]``, written in place with one
+    indexed store (as gpt-fast's cache: a store through a view of a buffer makes
+    ``torch.compile`` copy the whole buffer, every step); :meth:`pages` views them as
+    ``[num_pages, page_size, kv_heads, head_dim]`` for reading."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:  # fmt: skip
         super().__init__()
-        shape = (num_pages, page_size, kv_heads, head_dim)
+        self.page_size = page_size
+        shape = (num_pages * page_size, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
         ``slot_mapping`` ``[T]`` (``page * page_size + offset``)."""
-        flat, index = (-1, *self.k.shape[2:]), slot_mapping.long()
-        self.k.view(flat).index_put_((index,), k)
-        self.v.view(flat).index_put_((index,), v)
+        index = slot_mapping.long()
+        self.k[index] = k
+        self.v[index] = v
+
+    def pages(self) -> tuple[Tensor, Tensor]:
+        """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
+        shape = (-1, self.page_size, *self.k.shape[1:])
+        return self.k.view(shape), self.v.view(shape)
 
 
 class AttentionMetadata(NamedTuple):
@@ -235,10 +244,11 @@ class Attention(nn.Module):
         q = (q * cos + rotate_half(q) * sin).to(x.dtype)
         k = (k * cos + rotate_half(k) * sin).to(x.dtype)
         self.kv_cache.write(attn.slot_mapping, k, v)
+        k_pages, v_pages = self.kv_cache.pages()
         out = paged_attention(
             q,
-            self.kv_cache.k,
-            self.kv_cache.v,
+            k_pages,
+            v_pages,
             attn.block_tables,
             attn.seq_lens,
             attn.query_start,
