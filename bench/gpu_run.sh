@@ -19,6 +19,8 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q -rs -m "gpu or compile" -k "not cpu-inductor" -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    quick)  # the captured packed step and parity on CUDA
+      python3 -m pytest -q -rs -m "gpu or compile" -k "cuda or gpu" -p no:cacheprovider tests/test_compile.py tests/test_parity.py tests/test_generation.py 2>&1 | tee "$OUT/gpu_quick.log" | tail -8 ;;
     parity)
       python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.log" | tail -8 ;;
     kernels)
