@@ -127,7 +127,7 @@ class RequestOutput:
         return self.token_times[0] - self.arrival_time
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two requests may hold equal tokens
 class _Sequence:
     request: Request
     generator: torch.Generator | None
@@ -247,7 +247,7 @@ class LLMEngine:
         docstring), with the pages for them taken."""
         budget = self.pipeline.max_step_tokens
         scheduled: list[tuple[_Sequence, int]] = []
-        taken: set[int] = set()
+        taken: set[int] = set()  # ids of the sequences scheduled
         preempted = False
         for seq in list(self.running):  # decodes first: one token each
             if seq not in self.running or len(seq.tokens) - seq.computed != 1 or budget == 0:

@@ -28,6 +28,7 @@ length 0; padding tokens follow the last request's and belong to none).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,7 @@ STEP_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass
+@dataclass(eq=False)
 class SeqChunk:
     """One request's part of a step.
 
@@ -157,39 +158,42 @@ class StepBuffer:
         def field_(name: str, numel: int) -> np.ndarray:
             return h[self._start[name] : self._start[name] + numel]
 
-        page = self.page_size
-        p = self.max_pages
-        tokens = field_("tokens", t) if "tokens" in want else None
-        positions = field_("positions", t) if "positions" in want else None
-        slots = field_("slot_mapping", t) if "slot_mapping" in want else None
-        tables = field_("block_tables", s * p).reshape(s, p) if "block_tables" in want else None
-        for arr in (tokens, positions, slots, tables):
-            if arr is not None:
-                arr[...] = 0
-        seq_lens = np.zeros(s, dtype=np.int32)
+        page, p = self.page_size, self.max_pages
+        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
         query_start = np.full(s + 1, n, dtype=np.int32)
-        at = 0
+        query_start[: len(chunks)] = np.cumsum(lens) - lens
+        seq_lens = np.zeros(s, dtype=np.int32)
+        seq_lens[: len(chunks)] = starts + lens
+        # every request's pages, in a [S, P] table (the step's input, or a scratch table)
+        if "block_tables" in want:
+            tables = field_("block_tables", s * p).reshape(s, p)
+        else:
+            tables = np.empty((s, p), dtype=np.int32)
+        tables[...] = 0
         for i, c in enumerate(chunks):
-            k = len(c.token_ids)
-            end = c.start + k
-            query_start[i] = at
-            seq_lens[i] = end
-            pages = np.asarray(c.pages, dtype=np.int32)
-            if len(pages) * page < end or len(pages) > p:
+            held = len(c.pages)
+            if held * page < seq_lens[i] or held > p:
                 raise ValueError(
-                    f"chunk {i}: {len(pages)} pages of {page} do not hold {end} positions "
+                    f"chunk {i}: {held} pages of {page} do not hold {seq_lens[i]} positions "
                     f"(at most {p} pages a request)"
                 )
-            pos = np.arange(c.start, end, dtype=np.int32)
-            if tokens is not None:
-                tokens[at : at + k] = c.token_ids
-            if positions is not None:
-                positions[at : at + k] = pos
-            if slots is not None:
-                slots[at : at + k] = pages[pos // page] * page + pos % page
-            if tables is not None:
-                tables[i, : len(pages)] = pages
-            at += k
+            tables[i, :held] = c.pages
+        # per token: its request, its position, where its K and V go
+        owner = np.repeat(np.arange(len(chunks)), lens)
+        pos = np.arange(n) - np.repeat(query_start[: len(chunks)] - starts, lens)
+        if "tokens" in want:
+            tokens = field_("tokens", t)
+            tokens[...] = 0
+            tokens[:n] = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        if "positions" in want:
+            positions = field_("positions", t)
+            positions[...] = 0
+            positions[:n] = pos
+        if "slot_mapping" in want:
+            slots = field_("slot_mapping", t)
+            slots[...] = 0
+            slots[:n] = tables[owner, pos // page] * page + pos % page
         if "seq_lens" in want:
             field_("seq_lens", s)[...] = seq_lens
         if "query_start" in want:
