@@ -11,7 +11,8 @@ first come first served:
 2. running requests part-way through their prompt get the next chunk of it;
 3. if nothing was preempted, waiting requests are admitted in arrival order while the
    budget, ``max_batch_size``, the free pages (a request takes the pages of its whole
-   prompt when admitted) and the adapter slots allow. A request whose adapter cannot take
+   prompt when admitted, and leaves one page free per running request) and the adapter
+   slots allow. A request whose adapter cannot take
    a slot beside the running ones waits, as does every later one that would need a new
    slot (so it is not starved); later ones that need none go ahead of it. The least
    recently used adapter not running gives up its slot when one is needed.
@@ -292,7 +293,9 @@ class LLMEngine:
         blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.pipeline.max_batch_size:
             seq = self.waiting[0]
-            if self.pages.pages_for(len(seq.tokens)) > self.pages.num_free:
+            # its prompt's pages, and one spare page a running request (their next
+            # tokens), so a new request is not preempted at once by the running ones
+            if self.pages.pages_for(len(seq.tokens)) + len(self.running) > self.pages.num_free:
                 break  # first come first served: later requests wait for pages too
             self.waiting.popleft()
             if seq.adapter is not None and manager is not None:

@@ -82,6 +82,22 @@ def test_a_pool_too_small_preempts_and_every_output_is_unchanged(tiny, reference
     assert not engine.running and not engine.waiting
 
 
+def test_a_preempted_sampled_request_draws_the_same_tokens(tiny):
+    """Seeded sampling through preemption: the request keeps its generator, so its tokens
+    equal those of the same requests served with a pool large enough for all."""
+    batch = prompts(4, seed=96, min_len=8, max_len=14)
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    reqs = [
+        Request(str(i), ids, a, sampling)
+        for i, (ids, a) in enumerate(zip(batch, ["A", None, "B", "C"], strict=True))
+    ]
+    small = make_pipeline(tiny, max_batch_size=4, max_seq_len=40, kv_cache_tokens=48, page_size=4)
+    tight, tight_out, _ = _serve(small, reqs)
+    roomy_out = LLMEngine(make_pipeline(tiny, max_batch_size=4, max_seq_len=40)).generate(reqs)
+    assert tight.preemptions > 0
+    assert [o.token_ids for o in tight_out] == [o.token_ids for o in roomy_out]
+
+
 def test_scattered_pages_after_churn(tiny, reference_factory):
     """Requests of different lengths come and go, so later ones get pages that are not
     contiguous nor in order; they still match."""
