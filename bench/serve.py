@@ -105,6 +105,13 @@ def parse_args() -> argparse.Namespace:
         help="KV cache positions (default: sized from free memory on CUDA)",
     )
     p.add_argument("--max-loras", type=int, default=8, help="device slots (default: 8)")
+    p.add_argument(
+        "--side-stream-rows",
+        type=int,
+        default=None,
+        help="row counts up to which a LoRA linear runs its delta on a side stream beside the "
+        "base GEMM (lora_graph.ops.DELTA_MAX_ROWS, default 64)",
+    )
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
     p.add_argument("--skip-base", action="store_true", help="do not run the base-only engine")
@@ -275,6 +282,10 @@ def main() -> None:
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
         write_adapter(work / name, shapes, 16, seed=100 + i)
+    if args.side_stream_rows is not None:
+        import lora_graph.ops
+
+        lora_graph.ops.DELTA_MAX_ROWS = args.side_stream_rows
     reqs = workload(args, names, shapes["vocab_size"])
     print(
         f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "

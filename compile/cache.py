@@ -73,7 +73,8 @@ class GraphCache:
             ``max_num_batched_tokens``).
 
     Raises:
-        ValueError: for a bucket wider than the step buffer, or ``cudagraph`` off CUDA.
+        ValueError: for a bucket wider than ``max_num_batched_tokens``, a largest bucket
+            narrower than ``max_batch_size``, or ``cudagraph`` off CUDA.
     """
 
     def __init__(
@@ -90,6 +91,11 @@ class GraphCache:
             raise ValueError(
                 f"token bucket {token_buckets[-1]} exceeds max_num_batched_tokens "
                 f"{pipeline.max_num_batched_tokens}"
+            )
+        if token_buckets[-1] < pipeline.max_batch_size:
+            raise ValueError(
+                f"the largest token bucket ({token_buckets[-1]}) must hold a decode step of "
+                f"every running request (max_batch_size {pipeline.max_batch_size})"
             )
         self.pipeline = pipeline
         self.mode = mode

@@ -161,3 +161,13 @@ def test_page_pool_bookkeeping():
         pool.free([0])  # the scratch page is never handed out
     with pytest.raises(ValueError, match="at least 2 pages"):
         PagePool(1, 16)
+
+
+def test_capture_refuses_buckets_narrower_than_the_running_batch(tiny):
+    """Every running request decodes each step: a largest token bucket below
+    ``max_batch_size`` would leave some of them unscheduled, step after step."""
+    pipe = make_pipeline(tiny, max_batch_size=8, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match=r"largest token bucket \(4\) must hold .* 8"):
+        pipe.enable_compile("inductor", token_buckets=(2, 4), progress=False)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens 16"):
+        pipe.enable_compile("inductor", token_buckets=(8, 32), progress=False)
