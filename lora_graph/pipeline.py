@@ -141,7 +141,8 @@ class PipelineModelWithKVCache(abc.ABC):
     A subclass implements :meth:`_create_model_config` (the architecture's config from the
     Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA targets
     (:meth:`lora_targets`, :meth:`lora_module_map`, :meth:`lora_module_path`), its
-    :meth:`weights_adapter` (checkpoint key renaming), its :meth:`step_inputs` and the
+    :meth:`weights_adapter` (checkpoint key renaming), its step inputs
+    (:meth:`_get_compile_input_types`) and the
     bytes of KV cache a token takes (:meth:`kv_bytes_per_token`). :meth:`load_model`
     builds the module, wraps it with the LoRA manager, and loads the checkpoint through
     the adapter.
@@ -234,7 +235,7 @@ class PipelineModelWithKVCache(abc.ABC):
         self.model = self.load_model()
         self._weights = None
         self.step_buffer = StepBuffer(
-            self.step_inputs(),
+            self._get_compile_input_types(),
             max_tokens=max_num_batched_tokens,
             max_seqs=max_batch_size,
             max_pages=self.pages.pages_for(max_seq_len),
@@ -337,11 +338,13 @@ class PipelineModelWithKVCache(abc.ABC):
         """Bytes of the KV cache this pipeline allocates."""
         return self.num_kv_pages * self.page_size * self.kv_bytes_per_token()
 
-    def step_inputs(self) -> tuple[str, ...]:
-        """The step inputs (:data:`lora_graph.step.STEP_INPUTS`) the module's forward takes
-        as keywords, besides ``routing``; the step buffer and every captured graph are
-        built from this declaration. Default: all of them."""
-        return tuple(STEP_INPUTS)
+    def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
+        """The step inputs the module's forward takes as keywords besides ``routing``, each
+        with its shape in terms of the step's width (:data:`lora_graph.step.STEP_INPUTS`;
+        all int32): the step buffer and every captured graph are built from this
+        declaration, so an architecture changes neither ``compile/`` nor the engine.
+        Default: all of them (a decoder over the paged KV cache)."""
+        return dict(STEP_INPUTS)
 
     # ---- what an architecture declares ----------------------------------------------
     @abc.abstractmethod

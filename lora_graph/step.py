@@ -8,7 +8,7 @@ by token (a chunk is one segment under its adapter), its attention reads the req
 pages through its block table (:mod:`lora_graph.paging`).
 
 A model declares which of the step inputs below its forward takes
-(``PipelineModelWithKVCache.step_inputs``); :class:`StepBuffer` builds them for every
+(``PipelineModelWithKVCache._get_compile_input_types``); :class:`StepBuffer` builds them for every
 step into one persistent device buffer (one host-to-device copy a step), so a captured
 graph reads each step's inputs in place. All are int32:
 
@@ -92,7 +92,8 @@ class StepBuffer:
     """The persistent device buffer of a model's step inputs and its pinned staging twin.
 
     Args:
-        names: the step inputs the model takes (keys of :data:`STEP_INPUTS`).
+        types: the step inputs the model takes, name to shape (entries of
+            :data:`STEP_INPUTS`).
         max_tokens: ``T`` of the widest step.
         max_seqs: ``S`` of the widest step.
         max_pages: ``P``, pages of one request's block table.
@@ -100,15 +101,21 @@ class StepBuffer:
         device: where the step runs.
 
     Raises:
-        ValueError: for a name not in :data:`STEP_INPUTS`.
+        ValueError: for a name not in :data:`STEP_INPUTS`, or a shape other than its own.
     """
 
-    def __init__(self, names: Sequence[str], *, max_tokens: int, max_seqs: int,
+    def __init__(self, types: dict[str, tuple[str, ...]], *, max_tokens: int, max_seqs: int,
                  max_pages: int, page_size: int, device: torch.device) -> None:  # fmt: skip
-        unknown = [n for n in names if n not in STEP_INPUTS]
+        unknown = [n for n in types if n not in STEP_INPUTS]
         if unknown:
             raise ValueError(f"unknown step inputs {unknown} (known: {', '.join(STEP_INPUTS)})")
-        self.names = tuple(names)
+        wrong = [n for n, dims in types.items() if tuple(dims) != STEP_INPUTS[n]]
+        if wrong:
+            raise ValueError(
+                "step inputs declared with another shape: "
+                + ", ".join(f"{n} {tuple(types[n])} (is {STEP_INPUTS[n]})" for n in wrong)
+            )
+        self.names = tuple(types)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.max_pages, self.page_size = max_pages, page_size
         size = {"T": max_tokens, "S": max_seqs, "S+1": max_seqs + 1, "P": max_pages}

@@ -171,3 +171,36 @@ def test_capture_refuses_buckets_narrower_than_the_running_batch(tiny):
         pipe.enable_compile("inductor", token_buckets=(2, 4), progress=False)
     with pytest.raises(ValueError, match="exceeds max_num_batched_tokens 16"):
         pipe.enable_compile("inductor", token_buckets=(8, 32), progress=False)
+
+
+def test_step_buffer_pads_a_step_to_its_bucket():
+    """Two requests (a 3-token prefill chunk after 2 cached tokens, one decode token) padded
+    to 8 tokens x 4 requests: padding tokens write the scratch page, padding requests have
+    no tokens and length 0, every view keeps its address from step to step."""
+    import torch
+
+    from lora_graph.step import STEP_INPUTS, SeqChunk, StepBuffer
+
+    buf = StepBuffer(
+        STEP_INPUTS, max_tokens=8, max_seqs=4, max_pages=3, page_size=2, device=torch.device("cpu")
+    )
+    chunks = [SeqChunk("A", [11, 12, 13], 2, [5, 3, 7]), SeqChunk(None, [14], 4, [2, 6, 4])]
+    v = buf.fill(chunks, (8, 4))
+    assert v["tokens"].tolist() == [11, 12, 13, 14, 0, 0, 0, 0]
+    assert v["positions"].tolist() == [2, 3, 4, 4, 0, 0, 0, 0]
+    # position p of a request lives in page pages[p // 2] at offset p % 2
+    assert v["slot_mapping"].tolist() == [3 * 2, 3 * 2 + 1, 7 * 2, 4 * 2, 0, 0, 0, 0]
+    assert v["block_tables"].tolist() == [[5, 3, 7], [2, 6, 4], [0, 0, 0], [0, 0, 0]]
+    assert v["seq_lens"].tolist() == [5, 5, 0, 0]
+    assert v["query_start"].tolist() == [0, 3, 4, 4, 4]
+    assert v["logits_index"].tolist() == [2, 3, 0, 0]
+    again = buf.fill(chunks[1:], (8, 4))
+    assert all(again[k].data_ptr() == v[k].data_ptr() for k in v)
+    assert again["block_tables"].tolist()[1] == [0, 0, 0]  # last step's rows are cleared
+    with pytest.raises(ValueError, match="do not hold 5 positions"):
+        buf.fill([SeqChunk(None, [1, 2, 3], 2, [5, 3])], (8, 4))
+    with pytest.raises(ValueError, match="does not fit width"):
+        buf.fill(chunks, (2, 4))
+    with pytest.raises(ValueError, match="another shape"):
+        StepBuffer({"tokens": ("S",)}, max_tokens=8, max_seqs=4, max_pages=3, page_size=2,
+                   device=torch.device("cpu"))  # fmt: skip
