@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
+#   bash bench/gpu_run.sh loracost  bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -36,6 +37,11 @@ for stage in "$@"; do
       python3 bench/serve.py --peft-requests 2 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
+    loracost)
+      for rows in 64 512 2048; do
+        python3 bench/serve.py --skip-base --peft-requests 0 --side-stream-rows $rows --json "$OUT/serve_side$rows.json" \
+          2>&1 | grep "^| lora" | sed "s/^/side-stream rows $rows: /"
+      done ;;
     precision)
       python3 bench/precision.py 2>&1 | grep "|" | tee "$OUT/precision.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
