@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 FULL = dict(
     targets={"qkv": (4096, (4096, 1024, 1024)), "down": (14336, (4096,))},
     decode=(1, 8, 32, 64),
-    prefill=(2048, 4096, 8192),
+    prefill=(512, 2048, 4096, 8192),  # 512: a mixed step at bench/serve.py's token budget
 )
 SMOKE = dict(
     targets={"qkv": (64, (64, 16, 16)), "down": (112, (64,))}, decode=(1, 8), prefill=(33,)
