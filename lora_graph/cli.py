@@ -58,6 +58,7 @@ def build_engine(
     max_num_batched_tokens: int | None = None,
     kv_cache_tokens: int | None = None,
     gpu_memory_utilization: float = 0.9,
+    progress: bool = True,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
 
@@ -73,11 +74,11 @@ def build_engine(
         ("--max-loras", max_loras, 1),
         ("--max-lora-rank", max_lora_rank, 1),
         ("--max-batch-size", max_batch_size, 1),
-        ("--max-seq-len", max_seq_len or 2, 2),
-        ("--max-num-batched-tokens", max_num_batched_tokens or max_batch_size, max_batch_size),
-        ("--kv-cache-tokens", kv_cache_tokens or 1, 1),
+        ("--max-seq-len", max_seq_len, 2),
+        ("--max-num-batched-tokens", max_num_batched_tokens, max_batch_size),
+        ("--kv-cache-tokens", kv_cache_tokens, 1),
     ):
-        if value < least:
+        if value is not None and value < least:
             raise CliError(f"{flag} must be at least {least}, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
         raise CliError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -85,6 +86,10 @@ def build_engine(
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
+    for spec in loras:  # before anything is loaded or captured
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
 
     try:
         model_dir = resolve_model_path(model)
@@ -105,38 +110,48 @@ def build_engine(
             device=device,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_batch_size),
+            max_num_batched_tokens=(
+                max(2048, max_batch_size)
+                if max_num_batched_tokens is None
+                else max_num_batched_tokens
+            ),
             kv_cache_tokens=kv_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
         )
     except MemoryBudgetError as e:
-        message = str(e)
-        for name in (
-            "max_batch_size", "max_seq_len", "kv_cache_tokens", "gpu_memory_utilization"
-        ):  # fmt: skip
-            message = message.replace(name, "--" + name.replace("_", "-"))
-        raise CliError(message) from e
+        raise CliError(_flag_names(str(e))) from e
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise CliError(f"model {model!r}: {e}") from e
-    if compile_mode != "none":
-        try:
-            pipeline.enable_compile(compile_mode)
-        except ValueError as e:
-            raise CliError(f"--compile {compile_mode}: {e}") from e
+        raise CliError(f"model {model!r}: {_flag_names(str(e))}") from e
+    # adapters first: a bad one is reported before the capture (which does not need them:
+    # they are graph inputs)
     for spec in loras:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
+        name, _, path = spec.partition("=")
         try:
             pipeline.manager.load_adapter(path, name=name)
         except (AdapterError, NoFreeSlotError) as e:
             raise CliError(str(e) if f"{name!r}" in str(e) else f"adapter {name!r}: {e}") from e
+    if compile_mode != "none":
+        try:
+            pipeline.enable_compile(compile_mode, progress=progress)
+        except ValueError as e:
+            raise CliError(f"--compile {compile_mode}: {e}") from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
         tokenizer = None
     return LLMEngine(pipeline, eos_token_ids=_eos_ids(model_dir, hf_config)), tokenizer
+
+
+_FLAGS = ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "kv_cache_tokens",
+          "gpu_memory_utilization")  # fmt: skip
+
+
+def _flag_names(message: str) -> str:
+    """A pipeline's message with its argument names as this command's flags."""
+    for name in _FLAGS:
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message
 
 
 def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
@@ -190,12 +205,13 @@ def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
 
 def _parse_requests(
     lines: list[tuple[int, str | None, str | None]], tokenizer: Any, defaults: SamplingParams
-) -> list[tuple[Request, str, str | None]]:
+) -> list[tuple[Request, Any, str | None]]:
     """Parse requests-file lines into ``(request, output id, error)`` entries in file order;
     a line that is not a valid request, or repeats an earlier id, carries an error naming
     its line. The engine sees each request as ``line-N`` (unique by construction); the
-    output names it by its own ``id`` (``line-N`` when it has none)."""
-    entries: list[tuple[Request, str, str | None]] = []
+    output names it by its own ``id`` (``line-N`` when it has none, or ``line-N-noid`` if
+    another line's ``id`` is ``line-N``)."""
+    entries: list[tuple[Request, Any, str | None]] = []
     seen: set[str] = set()
     for n, line, error in lines:
         key = out_id = f"line-{n}"
@@ -209,10 +225,10 @@ def _parse_requests(
             if obj.get("id") is not None:
                 if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
                     raise ValueError("id must be a string or an integer")
-                out_id = str(obj["id"])
-                if out_id in seen:
+                out_id = obj["id"]  # as given: an integer id stays an integer
+                if str(out_id) in seen:
                     raise ValueError(f"id {out_id!r} repeats an earlier request's id")
-                seen.add(out_id)
+                seen.add(str(out_id))
             unknown = sorted(set(obj) - _REQUEST_FIELDS)
             if unknown:
                 raise ValueError(
@@ -224,7 +240,11 @@ def _parse_requests(
             entries.append((request, out_id, None))
         except (ValueError, TypeError, RecursionError, OverflowError) as e:
             entries.append((Request(key, [], None), out_id, f"line {n}: {e}"))
-    return entries
+    # an id-less line's line-N must not name another line's request
+    return [
+        (r, f"{out_id}-noid" if out_id == r.id and out_id in seen else out_id, error)
+        for r, out_id, error in entries
+    ]
 
 
 def _int_list(value: Any, field: str) -> list[int]:
@@ -359,6 +379,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        progress=args.progress,
     )
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,

@@ -139,6 +139,7 @@ class _Sequence:
     token_times: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # its block table
     computed: int = 0  # tokens whose K and V are in its pages
+    bypassed: int = 0  # later requests admitted while it waited for a slot
 
     @property
     def adapter(self) -> str | None:
@@ -168,12 +169,23 @@ class LLMEngine:
         self.steps = {"prefill": 0, "decode": 0}
         self.preemptions = 0
         self.tokens_generated = 0
+        self._live: set[str] = set()  # ids of the waiting and running requests
         self._new_tokens: list[tuple[str, int]] = []
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Validate and queue a request. A bad one finishes at once with an ``error``
-        naming the cause; nothing else is affected."""
+        naming the cause; nothing else is affected.
+
+        Raises:
+            ValueError: if a request of this id is unfinished, or its output has not been
+                collected from :attr:`finished` (the two would overwrite each other).
+        """
+        if request.id in self._live or request.id in self.finished:
+            raise ValueError(
+                f"request id {request.id!r} is "
+                + ("in flight" if request.id in self._live else "finished but not collected")
+            )
         try:
             self._validate(request)
         except ValueError as e:
@@ -189,6 +201,7 @@ class LLMEngine:
         seq = _Sequence(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
         self.waiting.append(seq)
+        self._live.add(request.id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a waiting or running request: it finishes with ``error="aborted"`` (and the
@@ -198,10 +211,10 @@ class LLMEngine:
             for seq in queue:
                 if seq.request.id == request_id:
                     queue.remove(seq)
-                    self._release(seq)
-                    self.finished[request_id] = RequestOutput(
-                        request_id, seq.request.adapter, seq.generated, None, "aborted"
-                    )
+                    self._finish(
+                        seq, RequestOutput(request_id, seq.request.adapter, seq.generated, None,
+                                           "aborted"),
+                    )  # fmt: skip
                     return True
         return False
 
@@ -215,11 +228,21 @@ class LLMEngine:
         vocab = self.pipeline.config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[0]}")
         if len(prompt) >= self.pipeline.max_seq_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} "
                 "fit (max_seq_len)"
             )
+
+    def _finish(self, seq: _Sequence, output: RequestOutput) -> None:
+        """A request leaves (it is out of the queues already): its output, and what it held
+        given back."""
+        self._release(seq)
+        self._live.discard(seq.request.id)
+        self.finished[seq.request.id] = output
 
     def _release(self, seq: _Sequence) -> None:
         """Give back what a leaving request held: its pages and its adapter version."""
@@ -285,13 +308,19 @@ class LLMEngine:
 
     def _admit(self, budget: int) -> list[_Sequence]:
         """Admit waiting requests (module docstring, 3.) into the running list, each with
-        the pages of its whole prompt; return them in order."""
+        the pages of its whole prompt; return them in order.
+
+        Requests that need no new slot go ahead of the first one waiting for a slot at most
+        ``max_batch_size`` times; after that nothing is admitted past it until its adapter
+        gets a slot (the running requests drain), so steady traffic on resident adapters
+        cannot starve it. The scan stops after ``4 * max_batch_size`` requests that wait."""
         admitted: list[_Sequence] = []
         kept: list[_Sequence] = []
         manager = self.pipeline.manager
         names = {s.adapter for s in self.running if s.adapter is not None}
-        blocked = False
-        while self.waiting and budget > 0 and len(self.running) < self.pipeline.max_batch_size:
+        limit = self.pipeline.max_batch_size
+        first_blocked: _Sequence | None = None
+        while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             # its prompt's pages, and one spare page a running request (their next
             # tokens), so a new request is not preempted at once by the running ones
@@ -299,25 +328,31 @@ class LLMEngine:
                 break  # first come first served: later requests wait for pages too
             self.waiting.popleft()
             if seq.adapter is not None and manager is not None:
-                if blocked and seq.adapter not in names:
-                    kept.append(seq)
-                    continue
-                if seq.hold is None:  # new: take a hold on the adapter's current version
-                    try:
-                        hold = manager.admit(seq.adapter, names)
-                    except KeyError as e:  # unloaded while it waited
-                        self.finished[seq.request.id] = RequestOutput(
-                            seq.request.id, seq.adapter, error=e.args[0]
-                        )
-                        continue
-                else:  # preempted: it holds its version already
-                    hold = seq.hold if manager.can_activate(names | {seq.adapter}) else None
+                hold = None
+                if first_blocked is None or seq.adapter in names:
+                    if seq.hold is None:  # new: take a hold on the adapter's current version
+                        try:
+                            hold = manager.admit(seq.adapter, names)
+                        except KeyError as e:  # unloaded while it waited
+                            out = RequestOutput(seq.request.id, seq.adapter, error=e.args[0])
+                            self._finish(seq, out)
+                            continue
+                    elif manager.can_activate(names | {seq.adapter}):
+                        hold = seq.hold  # preempted: it holds its version already
                 if hold is None:  # its adapter cannot take a slot beside the running ones yet
-                    blocked = True
+                    first_blocked = first_blocked or seq
                     kept.append(seq)
+                    if len(kept) >= 4 * limit:
+                        break
                     continue
                 names.add(hold.key)
                 seq.hold = hold
+            if first_blocked is not None:
+                if first_blocked.bypassed >= limit:
+                    kept.append(seq)  # (an adapter's new hold is kept for its next turn)
+                    break
+                first_blocked.bypassed += 1
+            seq.bypassed = 0
             seq.pages = self.pages.allocate(self.pages.pages_for(len(seq.tokens)))
             self.running.append(seq)
             admitted.append(seq)
@@ -354,10 +389,10 @@ class LLMEngine:
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.adapter == key]:
                 queue.remove(seq)
-                self._release(seq)
-                self.finished[seq.request.id] = RequestOutput(
-                    seq.request.id, seq.request.adapter, seq.generated, None, error
-                )
+                self._finish(
+                    seq, RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None,
+                                       error),
+                )  # fmt: skip
 
     def _run(self, scheduled: list[tuple[_Sequence, int]]) -> None:
         chunks = [
@@ -390,13 +425,15 @@ class LLMEngine:
         for i, (seq, bad) in enumerate(zip(seqs, bad_rows, strict=True)):
             if bad:  # a fault of the model's numerics (a half-precision overflow), not the request
                 self.running.remove(seq)
-                self._release(seq)
-                self.finished[seq.request.id] = RequestOutput(
-                    seq.request.id,
-                    seq.request.adapter,
-                    seq.generated,
-                    None,
-                    "the model produced NaN logits for this request",
+                self._finish(
+                    seq,
+                    RequestOutput(
+                        seq.request.id,
+                        seq.request.adapter,
+                        seq.generated,
+                        None,
+                        "the model produced NaN logits for this request",
+                    ),
                 )
                 continue
             token = (
@@ -410,14 +447,16 @@ class LLMEngine:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
-                self._release(seq)
-                self.finished[seq.request.id] = RequestOutput(
-                    seq.request.id,
-                    seq.request.adapter,
-                    seq.generated,
-                    reason,
-                    arrival_time=seq.arrival,
-                    token_times=seq.token_times,
+                self._finish(
+                    seq,
+                    RequestOutput(
+                        seq.request.id,
+                        seq.request.adapter,
+                        seq.generated,
+                        reason,
+                        arrival_time=seq.arrival,
+                        token_times=seq.token_times,
+                    ),
                 )
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
@@ -429,31 +468,39 @@ class LLMEngine:
         return None
 
     def generate(self, requests: list[Request], *, progress: bool = False) -> list[RequestOutput]:
-        """Serve every request to completion; outputs in the order of ``requests``.
+        """Serve every request to completion; outputs in the order of ``requests``. Other
+        requests in flight are served alongside; their outputs stay in :attr:`finished`.
 
         Args:
             progress: show a progress bar (tqdm, on stderr) of finished requests and
                 generated tokens per second.
 
         Raises:
-            ValueError: if two requests share an id.
+            ValueError: if two requests share an id, or one's id is in flight or has an
+                uncollected output (nothing is queued then).
         """
         from tqdm.auto import tqdm
 
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
+        taken = [i for i in ids if i in self._live or i in self.finished]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is in flight or not collected")
         for r in requests:
             self.add_request(r)
+        pending = set(ids)
         with tqdm(
             total=len(ids), desc="requests", unit="req", disable=not progress, dynamic_ncols=True
         ) as bar:
-            bar.update(sum(i in self.finished for i in ids))  # refused at admission
-            finished, tokens = len(self.finished), self.tokens_generated
-            while self.has_unfinished():
+            tokens = self.tokens_generated
+            while True:
+                done = {i for i in pending if i in self.finished}
+                pending -= done
+                bar.update(len(done))
+                if not pending:
+                    break
                 self.step()
-                bar.update(len(self.finished) - finished)
-                finished = len(self.finished)
                 rate = (self.tokens_generated - tokens) / max(bar.format_dict["elapsed"], 1e-3)
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         return [self.finished.pop(i) for i in ids]

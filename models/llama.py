@@ -1,15 +1,16 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2) as plain modules over a paged KV cache.
 
 One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
-with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, paged KV cache
-allocated once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face names are
-mapped onto this layout by :func:`hf_weights_adapter`, so the model never sees the file
-formatA step is packed (:mod:`lora_graph.step`): a flat list of tokens from many requests,
+with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a paged KV cache
+allocated once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face
+names are mapped onto this layout by :func:`hf_weights_adapter`, so the model never sees
+the file format.
+
+A step is packed (:mod:`lora_graph.step`): a flat list of tokens from many requests,
 decode tokens and prefill chunks alike, with the requests' block tables; each layer writes
 the step's K and V into its pages and attends over them with
 :func:`lora_graph.attention.paged_attention`, so a step reads the pages its requests hold
 and nothing else.
-d.
 """
 
 from __future__ import annotations

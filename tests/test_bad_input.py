@@ -242,7 +242,8 @@ def test_requests_file_problems_say_what(tiny, tmp_path, capsys):
     assert _run(tiny, ["--requests", str(good), "--output", "/dev/full"], stdout=out) == 2
     assert "the results went to stdout" in capsys.readouterr().err
     results = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert [r["id"] for r in results] == ["line-2", "line-2", "s"]
+    # the id-less line 2 does not take the name another line gave its request
+    assert [r["id"] for r in results] == ["line-2", "line-2-noid", "s"]
     assert len(results[0]["token_ids"]) == 2 and len(results[1]["token_ids"]) == 2
     assert "line 3: prompt is not valid Unicode text" in results[2]["error"]
 
@@ -273,7 +274,7 @@ def test_size_typo_says_what_fits(tiny, capsys):
     assert "GiB is free on cpu; at most --kv-cache-tokens" in err
     # a KV cache too small for one request of --max-seq-len would strand a long request
     assert _run(tiny, ["--prompt", "hi", "--kv-cache-tokens", "16"], loras=()) == 2
-    assert "cannot hold one request of max_seq_len 128" in capsys.readouterr().err
+    assert "cannot hold one request of --max-seq-len 128" in capsys.readouterr().err
 
 
 # ---- adapters ------------------------------------------------------------------------

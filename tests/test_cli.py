@@ -112,6 +112,16 @@ def test_missing_adapter_path_exits_2(tiny, capsys):
     assert "'x'" in err and "no such file" in err
 
 
+def test_a_bad_adapter_is_reported_before_the_capture(tiny, capsys):
+    """The adapters load before the (long) capture: a missing one fails at once, and
+    --no-progress hides the capture's progress bar too."""
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--compile", "inductor",
+            "--no-progress", "--prompt", "hi", "--lora", "a=/no/such/adapter"]  # fmt: skip
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert "adapter 'a'" in err and "capturing" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_cudagraph_without_cuda_exits_2(tiny, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -138,6 +148,12 @@ def test_cudagraph_without_cuda_exits_2(tiny, capsys):
         (["--max-seq-len", "1"], "--max-seq-len must be at least 2"),
         (["--max-seq-len", "4096"], "exceeds the model's max_position_embeddings 128"),
         (["--lora", "a=/x", "--lora", "a=/y"], "adapter name 'a' is given more than once"),
+        (["--lora", "pirate"], "--lora 'pirate': expected NAME=PATH"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 16"),
+        (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be at least 16"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
+        (["--kv-cache-tokens", "100"], "--kv-cache-tokens 100 cannot hold one request of"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
         (
             ["--output", "/no/such/dir/out.jsonl"],

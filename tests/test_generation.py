@@ -181,3 +181,83 @@ def test_steps_hand_out_their_new_tokens_with_times(tiny):
         assert streamed[r.id] == out.token_ids and len(out.token_ids) == 3 + int(r.id)
         assert len(out.token_times) == len(out.token_ids) and out.ttft >= 0
         assert out.token_times == sorted(out.token_times)
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_steady_traffic(tiny, reference_factory):
+    """One slot: A runs, B waits for the slot, and a new A request arrives every step. A
+    requests may go ahead of B at most max_batch_size times; then B gets the slot once
+    the running A requests drain, and every output matches peft."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_slots=1, max_batch_size=4)
+    engine = LLMEngine(pipe)
+    batch = prompts(40, seed=83)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.add_request(Request("a0", batch[0], "A", sampling))
+    engine.add_request(Request("b0", batch[1], "B", sampling))
+    steps = 0
+    while "b0" not in engine.finished:
+        if steps < 38:
+            engine.add_request(Request(f"a{steps + 1}", batch[steps + 2], "A", sampling))
+        engine.step()
+        steps += 1
+        assert steps < 60, "the B request was starved"
+    assert engine.finished["b0"].token_ids == ref.greedy(batch[1], "B", 6)
+    while engine.has_unfinished():
+        engine.step()
+    a_done = [rid for rid in engine.finished if rid.startswith("a")]
+    assert len(a_done) == min(steps, 38) + 1
+    for rid in a_done[:5]:
+        i = int(rid[1:])
+        want = ref.greedy(batch[0 if i == 0 else i + 1], "A", 6)
+        assert engine.finished[rid].token_ids == want, rid
+
+
+def test_ids_in_flight_or_uncollected_are_refused(tiny):
+    """An id that is waiting, running or finished but not collected cannot be added again
+    (the outputs would overwrite each other); generate serves its own requests and leaves
+    others in flight running, their outputs in ``finished``."""
+    engine = LLMEngine(make_pipeline(tiny))
+    ids = prompts(2, seed=84)
+    engine.add_request(Request("x", ids[0], "A", SamplingParams(max_new_tokens=20)))
+    with pytest.raises(ValueError, match="'x' is in flight"):
+        engine.add_request(Request("x", ids[1], None))
+    with pytest.raises(ValueError, match="'x' is in flight or not collected"):
+        engine.generate([Request("x", ids[1], None, SamplingParams(max_new_tokens=2))])
+    out = engine.generate([Request("y", ids[1], None, SamplingParams(max_new_tokens=2))])
+    assert out[0].id == "y" and len(out[0].token_ids) == 2
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(ValueError, match="'x' is finished but not collected"):
+        engine.add_request(Request("x", ids[1], None))
+    assert len(engine.finished.pop("x").token_ids) == 20
+    engine.add_request(Request("x", ids[1], None, SamplingParams(max_new_tokens=1)))
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
+    engine = LLMEngine(make_pipeline(tiny))
+    engine.add_request(Request("s", [5, 6], None, SamplingParams(stop_token_ids=(-5,))))
+    assert "stop_token_ids must be in [0, 128), got -5" in engine.finished["s"].error
+
+
+def test_admission_scans_a_bounded_part_of_a_blocked_queue(tiny):
+    """With the one slot taken, a queue of 300 requests for other adapters is not walked
+    in full every step: the scan stops after 4 x max_batch_size waiting requests."""
+    pipe = make_pipeline(tiny, max_slots=1, max_batch_size=4)
+    engine = LLMEngine(pipe)
+    ids = prompts(1, seed=85)[0]
+    engine.add_request(Request("a", ids, "A", SamplingParams(max_new_tokens=8)))
+    engine.step()
+    for i in range(300):
+        engine.add_request(Request(f"w{i}", ids, "BC"[i % 2], SamplingParams(max_new_tokens=1)))
+    scanned = 0
+    pages_for = engine.pages.pages_for
+
+    def counting(tokens):
+        nonlocal scanned
+        scanned += 1
+        return pages_for(tokens)
+
+    engine.pages.pages_for = counting
+    engine.step()
+    assert scanned <= 4 * 4 + 2
+    assert [s.request.id for s in engine.waiting][:3] == ["w0", "w1", "w2"]  # order kept
