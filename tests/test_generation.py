@@ -82,7 +82,7 @@ def test_bad_requests_get_errors_and_the_rest_are_served(tiny, reference_factory
     assert out["ok1"].token_ids == ref.greedy(good[1], None, 5)
 
 
-def test_generation_stops_at_the_end_of_the_kv_cache_row(tiny):
+def test_generation_stops_at_max_seq_len(tiny):
     pipe = make_pipeline(tiny, max_seq_len=16)
     out = LLMEngine(pipe).generate(
         [Request("x", list(range(3, 13)), "A", SamplingParams(max_new_tokens=50, ignore_eos=True))]
