@@ -7,7 +7,8 @@
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
-#   bash bench/gpu_run.sh loracost  bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
+#   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
+#                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -38,6 +39,7 @@ for stage in "$@"; do
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
     loracost)
+      python3 bench/profile_step.py 2>&1 | tee "$OUT/profile_step.log" | grep -v Warning | tail -30
       for rows in 64 512 2048; do
         python3 bench/serve.py --skip-base --peft-requests 0 --side-stream-rows $rows --json "$OUT/serve_side$rows.json" \
           2>&1 | grep "^| lora" | sed "s/^/side-stream rows $rows: /"

@@ -12,10 +12,10 @@ first come first served:
 3. if nothing was preempted, waiting requests are admitted in arrival order while the
    budget, ``max_batch_size``, the free pages (a request takes the pages of its whole
    prompt when admitted, and leaves one page free per running request) and the adapter
-   slots allow. A request whose adapter cannot take
-   a slot beside the running ones waits, as does every later one that would need a new
-   slot (so it is not starved); later ones that need none go ahead of it. The least
-   recently used adapter not running gives up its slot when one is needed.
+   slots allow. A request whose adapter cannot take a slot beside the running ones waits,
+   as does every later one that would need a new slot; later ones that need none go ahead
+   of it, at most ``max_batch_size`` of them, then it is next (so it is not starved). The
+   least recently used adapter not running gives up its slot when one is needed.
 
 Requests leave on EOS, a stop token, ``max_new_tokens`` or ``max_seq_len``; their pages
 and adapter hold are returned.

@@ -22,6 +22,7 @@ def test_every_benchmark_is_covered():
         "decode.py",
         "kernels.py",
         "precision.py",
+        "profile_step.py",
         "serve.py",
     ]
 
