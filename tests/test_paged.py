@@ -204,3 +204,26 @@ def test_step_buffer_pads_a_step_to_its_bucket():
     with pytest.raises(ValueError, match="another shape"):
         StepBuffer({"tokens": ("S",)}, max_tokens=8, max_seqs=4, max_pages=3, page_size=2,
                    device=torch.device("cpu"))  # fmt: skip
+
+
+def test_kv_pool_sized_from_gpu_memory_utilization(tiny, monkeypatch):
+    """The CUDA sizing rule, with the device's memory faked: the pool gets what
+    ``gpu_memory_utilization`` leaves after what is in use, the weights, the slots and an
+    activation bound, at most every request at full length; too little is refused."""
+    import torch
+
+    from lora_graph.pipeline import MemoryBudgetError
+
+    pipe = make_pipeline(tiny, max_batch_size=4, max_seq_len=64, page_size=16)
+    page_bytes = pipe.kv_bytes_per_token() * 16
+    weights, act = pipe._weight_bytes(), pipe._activation_bytes()
+    pipe.device = torch.device("cuda")
+    total, used = 10 * 2**30, 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - used, total))
+    most = 4 * 4 + 1  # 4 requests of 4 pages, and the scratch page
+    assert pipe._size_kv_cache(None, None, 0.9) == most  # plenty: capped
+    # a budget of 10 pages: what is left after use, weights and activations
+    fraction = (used + weights + act + 10 * page_bytes + page_bytes // 2) / total
+    assert pipe._size_kv_cache(None, None, fraction) == 10
+    with pytest.raises(MemoryBudgetError, match="less than one request of max_seq_len 64"):
+        pipe._size_kv_cache(None, None, (used + weights + act + 2 * page_bytes) / total)
