@@ -218,6 +218,7 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
             )
+        self.num_kv_pages = 2  # what the module is built with while it is only measured
         self.num_kv_pages = self._size_kv_cache(lora, kv_cache_tokens, gpu_memory_utilization)
         self.pages = PagePool(self.num_kv_pages, page_size)
         self.manager: LoRAManager | None = None
@@ -257,7 +258,6 @@ class PipelineModelWithKVCache(abc.ABC):
 
     def _weight_bytes(self) -> int:
         """Parameter bytes of the module, counted on the meta device (nothing allocated)."""
-        self.num_kv_pages = 2
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -333,10 +333,6 @@ class PipelineModelWithKVCache(abc.ABC):
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token position takes over all layers (0: no KV cache)."""
         return 0
-
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the KV cache this pipeline allocates."""
-        return self.num_kv_pages * self.page_size * self.kv_bytes_per_token()
 
     def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
         """The step inputs the module's forward takes as keywords besides ``routing``, each
@@ -490,7 +486,7 @@ class PipelineModelWithKVCache(abc.ABC):
         routing = None
         if any(c.adapter is not None for c in chunks):
             routing = self.manager.route(chunks, offsets)
-        return ModelInputs(inputs, routing, chunks, width, all_logits, n)
+        return ModelInputs(inputs, routing, chunks, width, all_logits)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,8 +84,6 @@ class ModelInputs:
     chunks: list[SeqChunk]
     width: tuple[int, int]
     all_logits: bool = False
-    num_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StepBuffer:

@@ -199,10 +199,9 @@ class PagedKVCache(nn.Module):
 
     def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
-        ``slot_mapping`` ``[T]`` (``page * page_size + offset``)."""
-        index = slot_mapping.long()
-        self.k[index] = k
-        self.v[index] = v
+        ``slot_mapping`` ``[T]`` int64 (``page * page_size + offset``)."""
+        self.k[slot_mapping] = k
+        self.v[slot_mapping] = v
 
     def pages(self) -> tuple[Tensor, Tensor]:
         """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
@@ -213,7 +212,7 @@ class PagedKVCache(nn.Module):
 class AttentionMetadata(NamedTuple):
     """The step's attention inputs (:mod:`lora_graph.step`), handed to every layer."""
 
-    slot_mapping: Tensor  # [T] where each token's K/V goes
+    slot_mapping: Tensor  # [T] int64, where each token's K/V goes
     block_tables: Tensor  # [S, P] each request's pages
     seq_lens: Tensor  # [S] each request's length after the step
     query_start: Tensor  # [S + 1] the requests' token offsets
@@ -354,7 +353,8 @@ class LlamaModel(nn.Module):
         positions = positions.long()
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
-        attn = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start)
+        # int64 once for every layer's KV write
+        attn = AttentionMetadata(slot_mapping.long(), block_tables, seq_lens, query_start)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, routing)
         if logits_index is None:
