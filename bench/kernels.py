@@ -50,6 +50,8 @@ FULL = dict(
     decode=(1, 8, 32, 64),
     prefill=(512, 2048, 4096, 8192),  # 512: a mixed step at bench/serve.py's token budget
 )
+# targets timed only when --targets names them
+EXTRA_TARGETS = {"gate_up": (4096, (14336, 14336)), "o": (4096, (4096,))}
 SMOKE = dict(
     targets={"qkv": (64, (64, 16, 16)), "down": (112, (64,))}, decode=(1, 8), prefill=(33,)
 )
@@ -75,7 +77,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--decode", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--prefill", type=int, nargs="+", default=None, help="prefill token counts")
-    p.add_argument("--targets", nargs="+", default=None, help="subset of: qkv down")
+    p.add_argument(
+        "--targets", nargs="+", default=None, help="subset of: qkv down (also: gate_up o)"
+    )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--reps", type=int, default=20, help="timed graph replays per measurement")
     p.add_argument(
@@ -89,8 +93,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--no-graph", action="store_true", help="time eager calls with triton.testing.do_bench"
     )
+    p.add_argument("--sweep", action="store_true", help="also time tile variants of both kernels")
     p.add_argument(
-        "--sweep", action="store_true", help="also time tile variants of both kernels at decode"
+        "--sweep-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="row counts of the sweep (default: 1 32 64)",
     )
     return p.parse_args()
 
@@ -405,8 +414,11 @@ def main() -> None:
     if not triton_ok:
         print("# Triton unavailable here: timing the torch reference only", flush=True)
 
+    known = {**shapes["targets"], **({} if ARGS.smoke else EXTRA_TARGETS)}
     targets = {
-        k: v for k, v in shapes["targets"].items() if ARGS.targets is None or k in ARGS.targets
+        k: v
+        for k, v in known.items()
+        if (k in ARGS.targets if ARGS.targets is not None else k in shapes["targets"])
     }
     sizes = [("decode", n) for n in (ARGS.decode or shapes["decode"])]
     sizes += [("prefill", n) for n in (ARGS.prefill or shapes["prefill"])]
@@ -521,13 +533,15 @@ def main() -> None:
 
 
 def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
-    """Time tile variants of both kernels at decode (4 adapters); report the best few.
+    """Time tile variants of both kernels (4 adapters) at ``--sweep-sizes`` rows; report the
+    best few.
 
-    Shrink: BLOCK_K x SPLIT_K x program cap (the default BLOCK_M / BLOCK_N); then expand:
-    BLOCK_N x program cap, with the best shrink.
+    Shrink: BLOCK_M (above 64 rows) x BLOCK_K x SPLIT_K x program cap (the default
+    BLOCK_N); then expand: BLOCK_M (above 64 rows) x BLOCK_N x program cap, with the best
+    shrink.
     """
     out = []
-    sizes = (1, 8) if ARGS.smoke else (1, 32, 64)
+    sizes = (1, 8) if ARGS.smoke else tuple(ARGS.sweep_sizes or (1, 32, 64))
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
@@ -538,6 +552,7 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
         target = LoraTarget(k, tuple(slices))
         sr = target.num_slices * ARGS.max_rank
         for n in sizes:
+            caps_n = caps if n <= 64 else (0,)
             layers = layers_for(layer_bytes(target, n, min(4, n), dtype), ARGS.smoke)
             bed = Bed(
                 tname,
@@ -555,42 +570,53 @@ def run_sweep(targets, device, dtype, copy_bw) -> list[dict]:
             base_s = C.shrink_config(n, k, sr, bed.x.element_size(), sms)
             base_e = C.expand_config(n, max(slices), ARGS.max_rank, bed.x.element_size(), sms)
             results = []
-            bm = base_s.block_m
-            for bk in (32,) if ARGS.smoke else (32, 64, 128):
-                for split in (1, 2) if ARGS.smoke else (1, 4, 8, 16, 32, 64, 128):
-                    for cap in caps:
-                        if bm <= 4 and bm * base_s.block_n * bk > 8192:
-                            continue
-                        cfg = C._finish_shrink(
-                            k,
-                            bm,
-                            base_s.block_n,
-                            bk,
-                            split,
-                            base_s.num_warps,
-                            base_s.num_stages,
-                            cap,
-                        )
-                        t_s, _ = per_layer_time(
-                            bed, "triton", layers, device, shrink_cfg=cfg, expand_cfg=base_e
-                        )
-                        results.append((t_s, cfg, base_e))
+            row_tiles = (base_s.block_m,) if n <= 64 or ARGS.smoke else (16, 32, 64, 128)
+            splits = (1, 2) if ARGS.smoke else (1, 2, 4, 8, 16, 32, 64, 128)
+            for bm in row_tiles:
+                for bk in (32,) if ARGS.smoke else (32, 64, 128):
+                    for split in splits:
+                        for cap in caps_n:
+                            if bm <= 4 and bm * base_s.block_n * bk > 8192:
+                                continue
+                            if bm * bk > 8192:  # register spills
+                                continue
+                            cfg = C._finish_shrink(
+                                k,
+                                bm,
+                                base_s.block_n,
+                                bk,
+                                split,
+                                4 if bm <= 32 else 8,
+                                base_s.num_stages,
+                                cap,
+                            )
+                            t_s, _ = per_layer_time(
+                                bed, "triton", layers, device, shrink_cfg=cfg, expand_cfg=base_e
+                            )
+                            results.append((t_s, cfg, base_e))
             best_shrink = min(results, key=lambda r: r[0])[1]
-            for bn in (16,) if ARGS.smoke else (32, 64, 128, 256):
-                for cap in caps:
-                    if base_e.block_m <= 4 and base_e.block_m * bn * base_e.block_r > 16384:
-                        continue
-                    ecfg = C.ExpandConfig(
-                        base_e.block_m,
-                        bn,
-                        base_e.block_r,
-                        num_warps=4 if base_e.block_m * bn < 4096 else 8,
-                        max_programs=cap,
-                    )
-                    t_e, _ = per_layer_time(
-                        bed, "triton", layers, device, shrink_cfg=best_shrink, expand_cfg=ecfg
-                    )
-                    results.append((t_e, best_shrink, ecfg))
+            row_tiles = (base_e.block_m,) if n <= 64 or ARGS.smoke else (16, 32, 64, 128)
+            for bm, bn, cap in (
+                (bm, bn, cap)
+                for bm in row_tiles
+                for bn in ((16,) if ARGS.smoke else (32, 64, 128, 256))
+                for cap in caps_n
+            ):
+                if bm <= 4 and bm * bn * base_e.block_r > 16384:
+                    continue
+                if bm * bn > 32768:
+                    continue
+                ecfg = C.ExpandConfig(
+                    bm,
+                    bn,
+                    base_e.block_r,
+                    num_warps=4 if bm * bn < 4096 else 8,
+                    max_programs=cap,
+                )
+                t_e, _ = per_layer_time(
+                    bed, "triton", layers, device, shrink_cfg=best_shrink, expand_cfg=ecfg
+                )
+                results.append((t_e, best_shrink, ecfg))
             results.sort(key=lambda r: r[0])
             for t_, s_, e_ in results[:3]:
                 out.append(

@@ -317,6 +317,22 @@ def test_triton_split_kv(splits, window):
 
 
 @interp
+@pytest.mark.parametrize("window", [0, 6])
+def test_triton_mixed_step_two_launches(window):
+    """A step that may mix decodes and prefill chunks runs two launches (decode tiles for
+    sequences of at most ``16 // groups`` query rows, prefill tiles for the rest): every
+    sequence is served by exactly one of them, at the boundary lengths too."""
+    groups = 4  # decode tiles hold 4 query rows
+    seqs = [(1, 30), (4, 17), (5, 21), (1, 1), (3, 3), (12, 40), (0, 0), (1, 9)]
+    step = make_step(seqs, groups=groups, page_size=4, window=window, seed=11 + window)
+    n, s = step.q.shape[0], step.block_tables.shape[0]
+    plan = TA.attention_plan(n, s, groups, 16, step.block_tables.shape[1] * 4, 2, 4)
+    assert [(lo, hi) for _, lo, hi in plan] == [(0, 4), (5, 1 << 30)]
+    assert plan[0][0].block_q == 4 and plan[1][0].block_q == 16
+    check(TA.paged_attention(*step.args), step, ATOL[torch.float32])
+
+
+@interp
 def test_triton_through_backend_selection_and_heuristics():
     """``paged_attention_impl("triton", cpu)`` is the interpreted kernel; the heuristic
     config of a decode step of long contexts splits the keys."""

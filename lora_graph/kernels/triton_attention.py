@@ -84,10 +84,10 @@ if HAVE_TRITON:
                 hi = mid
         return lo - 1
 
-    @triton.jit(do_not_specialize=["num_seqs", "n_rows", "window"])
+    @triton.jit(do_not_specialize=["num_seqs", "n_rows", "window", "q_len_min", "q_len_max"])
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        num_seqs, n_rows, qk_scale, window,
+        num_seqs, n_rows, qk_scale, window, q_len_min, q_len_max,
         stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
         stride_vp, stride_vs, stride_vh, stride_vd, stride_on, stride_oh, stride_od, stride_bt,
         NUM_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUPS: tl.constexpr,
@@ -99,9 +99,11 @@ if HAVE_TRITON:
         over the keys row ``t`` may see, for the query tile ``program_id(0)``, the kv head
         ``program_id(1)`` and (``SPLITS > 1``) the key split ``program_id(2)``.
 
-        ``qk_scale`` is ``scale * log2(e)``. With ``SPLITS > 1`` the partials go to
-        ``part`` (float32 ``[SPLITS, n_rows, NUM_HEADS, D + 2]``: output, then max and sum),
-        else the normalised output to ``out``.
+        ``qk_scale`` is ``scale * log2(e)``. Only sequences of ``q_len_min <= q_len <=
+        q_len_max`` query rows are served (a mixed step runs one launch for its decode rows
+        and one for its prefill chunks, each with its own tiles). With ``SPLITS > 1`` the
+        partials go to ``part`` (float32 ``[SPLITS, n_rows, NUM_HEADS, D + 2]``: output, then
+        max and sum), else the normalised output to ``out``.
         """
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -109,7 +111,7 @@ if HAVE_TRITON:
         q_start = tl.load(query_start_ptr + s)
         q_len = tl.load(query_start_ptr + s + 1) - q_start
         q_tile0 = (tile - (q_start // BLOCK_Q + s)) * BLOCK_Q  # first token of the tile
-        if q_tile0 >= q_len:
+        if (q_tile0 >= q_len) | (q_len < q_len_min) | (q_len > q_len_max):
             return
         seq_len = tl.load(seq_lens_ptr + s)
 
@@ -287,6 +289,35 @@ def attention_config(
     return make_config(groups, block_q=max(1, 64 // groups), block_n=32 if wide else 16)
 
 
+@functools.lru_cache(maxsize=1024)
+def attention_plan(
+    n: int,
+    s: int,
+    groups: int,
+    head_dim: int,
+    max_ctx: int,
+    kv_heads: int,
+    elt_bytes: int = 2,
+    num_sms: int = 132,
+) -> tuple[tuple[AttentionConfig, int, int], ...]:
+    """The launches of one step, ``(config, q_len_min, q_len_max)`` each (arguments as
+    :func:`attention_config`; shapes only). A decode-like step is one launch. A step that
+    may mix prefill chunks with decode rows (``n > 2 * s``) is two: sequences of at most
+    ``16 // groups`` query rows (decodes) with decode tiles (16 rows, keys in blocks of 64,
+    no split), the longer ones with prefill tiles. One launch with prefill tiles for both
+    left a decode row alone in a 64-row tile streaming its keys 32 at a time: in a
+    512-token step of 64 decodes at context ~600 beside prefill chunks (Llama-3-8B shapes,
+    H200), attention took 87 µs a layer where its KV bytes need ~20 µs."""
+    cfg = attention_config(n, s, groups, head_dim, max_ctx, kv_heads, elt_bytes, num_sms)
+    unbounded = 1 << 30
+    if n <= 2 * s:
+        return ((cfg, 0, unbounded),)
+    wide = max(16, next_pow2(head_dim)) * elt_bytes <= 256
+    short = max(1, 16 // groups)
+    decode = make_config(groups, block_q=short, block_n=64 if wide else 32)
+    return ((decode, 0, short), (cfg, short + 1, unbounded))
+
+
 @contextlib.contextmanager
 def _launch_env(t: Tensor):
     """The launch's device, and for interpreted kernels ``TRITON_INTERPRET=1`` (Triton reads
@@ -318,10 +349,12 @@ def paged_attention(
     window: int,
     config: AttentionConfig | None = None,
 ) -> Tensor:
-    """:func:`lora_graph.attention.paged_attention` in one launch (two with split-KV): the
-    arguments and result of the op; ``config`` forces tiles (:func:`attention_config` when
-    None). The output is allocated with ``torch.zeros`` (rows of no sequence stay 0), the
-    split-KV partials with ``torch.empty``; nothing is read back to the host.
+    """:func:`lora_graph.attention.paged_attention`: the arguments and result of the op.
+    The launches follow :func:`attention_plan` (one for a decode step, plus the split-KV
+    reduction when split; two for a step that may mix decodes and prefill chunks);
+    ``config`` forces one launch with those tiles. The output is allocated with
+    ``torch.zeros`` (rows of no sequence stay 0), the split-KV partials with ``torch.empty``;
+    nothing is read back to the host.
 
     Raises:
         RuntimeError: without Triton.
@@ -337,42 +370,49 @@ def paged_attention(
     out = torch.zeros_like(q)
     if n == 0 or s == 0:
         return out
-    cfg = config or attention_config(
-        n,
-        s,
-        groups,
-        d,
-        block_tables.shape[1] * page_size,
-        hkv,
-        q.element_size(),
-        device_sms(q.device),
-    )
-    assert cfg.block_m >= max(16, cfg.block_q * groups), cfg
+    if config is not None:
+        plan: tuple[tuple[AttentionConfig, int, int], ...] = ((config, 0, 1 << 30),)
+    else:
+        plan = attention_plan(
+            n,
+            s,
+            groups,
+            d,
+            block_tables.shape[1] * page_size,
+            hkv,
+            q.element_size(),
+            device_sms(q.device),
+        )
     # fp32: near-fp32 products (tf32x3); the interpreter runs tl.dot through numpy, which has
     # no bfloat16, so there 16-bit tiles are upcast first; compiled kernels use bf16/fp16 MMA
     cast_f32 = q.dtype != torch.float32 and _INTERPRETED
-    splits = cfg.splits
-    part = q  # unused without splits
-    if splits > 1:
-        part = torch.empty((splits, n, hq, d + 2), dtype=torch.float32, device=q.device)
-    grid = (n // cfg.block_q + s, hkv, splits)
-    with _launch_env(q):
-        # fmt: off
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part, block_tables, seq_lens, query_start,
-            s, n, scale * _LOG2E, window,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-            block_tables.stride(0),
-            NUM_HEADS=hq, D=d, D_PAD=max(16, next_pow2(d)), GROUPS=groups, PAGE_SIZE=page_size,
-            BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLITS=splits,
-            CAST_F32=cast_f32, DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    for cfg, q_len_min, q_len_max in plan:
+        assert cfg.block_m >= max(16, cfg.block_q * groups), cfg
+        splits = cfg.splits
+        # the reduction writes every row of the step: a split launch must be the only one
+        assert splits == 1 or len(plan) == 1, plan
+        part = q  # unused without splits
         if splits > 1:
-            _reduce_splits_kernel[(n, hq)](
-                part, out, query_start, s, n, *out.stride(),
-                NUM_HEADS=hq, D=d, D_PAD=max(16, next_pow2(d)), SPLITS=splits,
-                SPLITS_PAD=next_pow2(splits), num_warps=4,
+            part = torch.empty((splits, n, hq, d + 2), dtype=torch.float32, device=q.device)
+        grid = (n // cfg.block_q + s, hkv, splits)
+        with _launch_env(q):
+            # fmt: off
+            _paged_attention_kernel[grid](
+                q, k_cache, v_cache, out, part, block_tables, seq_lens, query_start,
+                s, n, scale * _LOG2E, window, q_len_min, q_len_max,
+                *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+                block_tables.stride(0),
+                NUM_HEADS=hq, D=d, D_PAD=max(16, next_pow2(d)), GROUPS=groups,
+                PAGE_SIZE=page_size, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, SPLITS=splits, CAST_F32=cast_f32,
+                DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-        # fmt: on
+            if splits > 1:
+                _reduce_splits_kernel[(n, hq)](
+                    part, out, query_start, s, n, *out.stride(),
+                    NUM_HEADS=hq, D=d, D_PAD=max(16, next_pow2(d)), SPLITS=splits,
+                    SPLITS_PAD=next_pow2(splits), num_warps=4,
+                )
+            # fmt: on
     return out
