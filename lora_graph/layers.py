@@ -10,6 +10,7 @@ bound into the layers.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lora_graph import ops
@@ -23,6 +24,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         return super().forward(x)
+
+    def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        """A gated MLP's activation (SwiGLU; Shazeer 2020, "GLU Variants Improve
+        Transformer"): ``silu(g) * u`` where ``[g | u] = self(x)`` splits the output in two
+        halves. ``[..., in]`` -> ``[..., out / 2]``."""
+        return _silu_and_mul(self(x, routing))
+
+
+def _silu_and_mul(y: Tensor) -> Tensor:
+    gate, up = y.split(y.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Embedding(nn.Embedding):
@@ -107,6 +119,27 @@ class LoRALinear(_LoRALayer):
         h = k.shrink(x2, self.a, self.num_slices, *route)
         k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route)
         return y
+
+    def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        """:meth:`Linear.silu_and_mul` with LoRA. Above :data:`ops.DELTA_MAX_ROWS` rows,
+        with kernels that have ``expand_silu_mul`` and a two-slice target of equal halves
+        (gate, up), the expand and the activation are one kernel: the ``[N, 2I]`` output is
+        read once instead of read, written and read again."""
+        k = self._kernels
+        x2 = x.reshape(-1, x.shape[-1])
+        if (
+            routing is None
+            or k.expand_silu_mul is None
+            or x2.shape[0] <= ops.DELTA_MAX_ROWS
+            or self.per_segment
+            or self.out_slices != [self.out_slices[0]] * 2
+        ):
+            return _silu_and_mul(self(x, routing))
+        route = routing.tokens
+        y = self.base(x2)
+        h = k.shrink(x2, self.a, self.num_slices, *route)
+        out = k.expand_silu_mul(y, h, self.b, *route)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class LoRAEmbedding(_LoRALayer):

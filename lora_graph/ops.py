@@ -15,6 +15,9 @@ adapter), as inputs: a replay sees new routing and new slot contents without rec
   left bit-for-bit unchanged.
 - ``lora_graph::lora_embedding_shrink(tokens [N], a [num_slots, vocab, R], *routing)``
   ``-> h [1, N, R]``: the shrink of an embedding (a gather; one implementation for every device).
+- ``lora_graph::lora_expand_silu_mul(y [N, 2I], h [2, N, R], b, *routing) -> [N, I]``: a gated
+  MLP's activation ``silu(g) * u`` of ``[g | u] = y`` plus the expand's delta, so the
+  ``[N, 2I]`` projection is read once instead of read, written and read again (prefill).
 - ``lora_graph::lora_linear_delta(x, weight, bias, a, b, num_slices, out_slices, *routing)``
   ``-> (y, buf)``: the base linear and the float32 delta of shrink + expand
   (``buf[:N*out]``), on CUDA with the delta on a side stream overlapping the base GEMM
@@ -97,6 +100,29 @@ def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
     return None
 
 
+@torch.library.custom_op("lora_graph::lora_expand_silu_mul", mutates_args=())
+def lora_expand_silu_mul(
+    y: Tensor, h: Tensor, b: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+) -> Tensor:
+    """Expand + gated activation (module docstring). Args: ``y`` ``[N, 2I]`` (the gate then
+    the up projection, unchanged); ``h`` ``[2, N, R]`` float32 from :func:`lora_shrink`;
+    ``b`` ``[num_slots, 2I, R]``; the routing triple. Returns ``silu(g) * u`` ``[N, I]`` in
+    ``y``'s dtype, ``g`` and ``u`` each rounded to that dtype after its delta (as
+    :func:`lora_expand_` leaves them)."""
+    return reference.expand_silu_mul(y, h, b, lora_ids, grouped_offsets, end)
+
+
+@lora_expand_silu_mul.register_kernel("cuda")
+def _(y, h, b, lora_ids, grouped_offsets, end):
+    impl = _triton() or reference
+    return impl.expand_silu_mul(y, h, b, lora_ids, grouped_offsets, end)
+
+
+@lora_expand_silu_mul.register_fake
+def _(y, h, b, lora_ids, grouped_offsets, end):
+    return y.new_empty((y.shape[0], y.shape[1] // 2))
+
+
 @torch.library.custom_op("lora_graph::lora_embedding_shrink", mutates_args=())
 def lora_embedding_shrink(
     tokens: Tensor, a: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
@@ -157,19 +183,23 @@ def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, 
 class Kernels:
     """What a LoRA layer calls, with the signatures of the ops above: the ops themselves
     (per-device dispatch), or for a forced backend the implementations directly.
-    ``linear_delta`` is None where the side-stream delta is not used."""
+    ``linear_delta`` is None where the side-stream delta is not used; ``expand_silu_mul``
+    None where a gated MLP expands in place and applies its activation after (the fused
+    kernel would gain nothing: the CPU)."""
 
     shrink: Callable[..., Tensor]
     embedding_shrink: Callable[..., Tensor]
     expand: Callable[..., None]
     linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
+    expand_silu_mul: Callable[..., Tensor] | None = None
 
 
 def kernels(backend: str, device: torch.device) -> Kernels:
     """The :class:`Kernels` of a ``LoRAConfig.backend``:
 
-    - ``"auto"``: the ops (Triton on CUDA when installed, the reference elsewhere), and the
-      side-stream ``linear_delta`` at decode on CUDA with Triton.
+    - ``"auto"``: the ops (Triton on CUDA when installed, the reference elsewhere), and on
+      CUDA with Triton the side-stream ``linear_delta`` at decode and the fused
+      ``expand_silu_mul``.
     - ``"torch"``: the pure-torch reference on any device (no side stream).
     - ``"triton"``: the Triton kernels: the ops on CUDA; on the CPU under Triton's
       interpreter (``TRITON_INTERPRET=1``), the Triton implementations called directly.
@@ -181,19 +211,26 @@ def kernels(backend: str, device: torch.device) -> Kernels:
     ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
     if backend == "torch":
         return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
+    cuda = Kernels(
+        lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta, lora_expand_silu_mul
+    )
     if backend == "auto":
-        if device.type == "cuda" and have_triton():
-            return Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta)
-        return ops
+        return cuda if device.type == "cuda" and have_triton() else ops
     if backend == "triton":
         impl = _triton()
         if impl is None:
             raise ValueError("backend='triton' but Triton is not installed")
         if device.type == "cuda":
-            return Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta)
+            return cuda
         if not impl.interpreted():
             raise ValueError(
                 "backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
             )
-        return Kernels(impl.shrink, reference.embedding_shrink, impl.expand_, impl.linear_delta)
+        return Kernels(
+            impl.shrink,
+            reference.embedding_shrink,
+            impl.expand_,
+            impl.linear_delta,
+            impl.expand_silu_mul,
+        )
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

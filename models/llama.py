@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lora_graph.attention import paged_attention
@@ -268,8 +267,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: Tensor, routing: Routing | None) -> Tensor:
-        gate, up = self.gate_up_proj(x, routing).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, routing)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, routing), routing)
 
 
 class DecoderLayer(nn.Module):

@@ -386,6 +386,44 @@ def test_routing_edge_cases(pools):
     assert h.shape == (3, 0, MAX_RANK) and y.shape == (0, 88)
 
 
+GATE_UP = LoraTarget(64, (40, 40), slice_names=("gate_proj", "up_proj"))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "groups, n",
+    [
+        (mixed_groups(30), 37),  # groups with an empty one and a slot-0 one, then base rows
+        ([(1, 5), (NUM_SLOTS + 3, 2), (4, 3)], 10),  # an unknown slot: no delta; no base rows
+        ([], 6),  # all base (end = 0)
+        ([(2, 1)], 1),
+    ],
+)
+def test_expand_silu_mul_matches_expand_then_activation(dtype, groups, n):
+    """The fused kernel equals expand (in place, rounding into y) then ``silu(g) * u`` on
+    every row: rows with a delta, rows of slot 0 or an unknown slot, base and padding rows;
+    ``y`` is left unchanged."""
+    pool = Pool({"gate_up": GATE_UP}, RANKS, MAX_RANK, NUM_SLOTS, dtype, seed=5)
+    routing = make_routing(groups, pad_to=8)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 64, generator=g).to(dtype)
+    y = torch.randn(n, 80, generator=g).to(dtype)
+    before = y.clone()
+    a, b = pool.stacks("gate_up")
+    h = T.shrink(x, a, 2, *routing)
+    got = T.expand_silu_mul(y, h, b, *routing)
+    assert torch.equal(y, before) and got.shape == (n, 40) and got.dtype == dtype
+    y_exp = y.clone()
+    T.expand_(y_exp, h, b, [40, 40], *routing)
+    gate, up = y_exp.float().split(40, dim=1)
+    want = (gate * torch.sigmoid(gate) * up).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    ref = reference.expand_silu_mul(y, reference.shrink(x, a, 2, *routing), b, *routing)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+
+
 @interp
 def test_routing_changes_in_place_need_nothing_new(pools):
     """Persistent routing buffers refilled in place: from 2 groups to every group in use,
@@ -479,14 +517,22 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
         calls.append(1)
         return T.linear_delta(*args)
 
+    gated = []
+
+    def counted_gated(*args):
+        gated.append(1)
+        return T.expand_silu_mul(*args)
+
     for layer in pipe.manager.layers.values():
-        layer._kernels = dataclasses.replace(kernels, linear_delta=counted)
+        layer._kernels = dataclasses.replace(
+            kernels, linear_delta=counted, expand_silu_mul=counted_gated
+        )
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
-    assert forks == (
-        9 if len(MIX) * max_len <= ops.DELTA_MAX_ROWS else 0
-    )  # 4 targets x 2 layers + LM head
+    small = len(MIX) * max_len <= ops.DELTA_MAX_ROWS
+    assert forks == (9 if small else 0)  # 4 targets x 2 layers + LM head
+    assert len(gated) == (0 if small else 2)  # above: each layer's MLP expand + activation fused
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
     for adapter, g, w, f in zip(MIX, got, want, truth, strict=True):
@@ -595,6 +641,10 @@ for dtype, sizes in ((torch.bfloat16, (1, 3, 33, 2048)), (torch.float32, (33,)))
         x, y = torch.zeros(n, 4096, dtype=dtype), torch.zeros(n, 6144, dtype=dtype)
         h = T.shrink(x, a, 3, *routing)
         T.expand_(y, h, b, [4096, 1024, 1024], *routing)
+for n in (512, 2048):  # the gated MLP's fused expand + activation (prefill sizes)
+    b2 = slot_stack(torch.zeros(9, 2 * 14336 * 16, dtype=torch.bfloat16), 0, (2 * 14336, 16))
+    y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
+    T.expand_silu_mul(y2, torch.zeros(2, n, 16), b2, *routing)
 for k in compiled:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -618,7 +668,7 @@ def test_kernels_compile_for_sm90():
     )
     if proc.returncode == 77:
         pytest.skip(f"cannot compile for sm_90 here: {proc.stdout.strip()}")
-    assert proc.returncode == 0 and "compiled 10" in proc.stdout, (
+    assert proc.returncode == 0 and "compiled 12" in proc.stdout, (
         proc.stdout[-2000:] + proc.stderr[-4000:]
     )
 
@@ -805,3 +855,33 @@ def test_gpu_ops_dispatch_to_triton(gpu_pools, monkeypatch):
     assert rel_err(y, y_ref) < 1e-2
     assert rel_err(buf[: y.numel()].view(y.shape), y_ref) < 1e-2
     torch.testing.assert_close(y2, x @ w.T)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [65, 512, 2048])
+def test_gpu_expand_silu_mul_against_float64(n):
+    """The fused expand + SwiGLU activation at Llama-3-8B's MLP width (gate/up 14336), rows
+    over mixed-rank adapters, slot 0 and base rows: against float64 expand then
+    ``silu(g) * u`` (each half rounded to bf16 after its delta, as the in-place expand
+    leaves it)."""
+    target = LoraTarget(4096, (14336, 14336))
+    pool = Pool({"gate_up": target}, GPU_RANKS, GPU_MAX_RANK, GPU_SLOTS, torch.bfloat16, GPU, 3)
+    n_base = n // 5
+    groups = popularity_groups("skewed", n - n_base, seed=n) + [(0, 1)]
+    routing = make_routing(groups, device=GPU, pad_to=GPU_SLOTS)
+    g = torch.Generator(device=GPU).manual_seed(n)
+    x = torch.randn(n, 4096, generator=g, device=GPU).to(torch.bfloat16)
+    y = torch.randn(n, 2 * 14336, generator=g, device=GPU).to(torch.bfloat16)
+    a, b = pool.stacks("gate_up")
+    h = T.shrink(x, a, 2, *routing)
+    got = T.expand_silu_mul(y, h, b, *routing)
+    _, y64, slot_of = reference64(pool, "gate_up", x, y, routing)
+    gate, up = y64.to(torch.bfloat16).double().split(14336, dim=1)
+    want = gate * torch.sigmoid(gate) * up
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
+    base = slot_of <= 0  # no delta: silu(g) * u of y in float32, rounded once
+    gy, uy = y[base].float().split(14336, dim=1)
+    want_base = (gy * torch.sigmoid(gy) * uy).to(torch.bfloat16)
+    torch.testing.assert_close(got[base], want_base, rtol=8e-3, atol=1e-5)

@@ -51,6 +51,17 @@ def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Te
             start += width
 
 
+def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor:
+    """Semantics: ``[g | u] = y`` (``[N, 2I]``) after :func:`expand_` with slices ``(I, I)``
+    (on a copy; ``y`` is unchanged); returns ``silu(g) * u`` ``[N, I]`` in ``y``'s dtype (the
+    gated MLP's activation, Shazeer 2020, "GLU Variants Improve Transformer")."""
+    y = y.clone()
+    i = y.shape[1] // 2
+    expand_(y, h, b, [i, i], *routing)
+    gate, up = y.split(i, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def linear_delta(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
     out_slices: list[int], *routing: Tensor

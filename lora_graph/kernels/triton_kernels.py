@@ -27,7 +27,12 @@ Design (no host synchronisation; the grid depends only on shapes):
   blocks of every slice are laid end to end and an item finds its slice from constexpr
   block starts. It adds the fp32 product ``h @ B.T`` to ``y`` (upcast) and stores it in
   ``y``'s dtype; only rows that get a delta are written.
-- Both use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast multiply
+- expand + SwiGLU (``_expand_silu_mul_kernel``): the expand of a gated MLP's gate/up
+  projection ``[N, 2I]`` fused with its activation: an item is ``(row tile, column block
+  of the I outputs)``; it reads the gate and up tiles once, adds their deltas, and writes
+  ``silu(g) * u``. Its row tiles also cover base and padding rows (no delta), since every
+  output row must be written.
+- They use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast multiply
   + ``tl.sum`` for ``BLOCK_M < 16``. bf16/fp16 tiles go to the tensor cores as they are;
   fp32 operands use ``input_precision="tf32x3"``.
 
@@ -246,4 +251,78 @@ if HAVE_TRITON:
                              stride_bs, stride_bn, stride_br,
                              R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
                              BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
+    @triton.jit(do_not_specialize=["N", "HALF", "G", "num_slots", "n_items"])
+    def _expand_silu_mul_kernel(
+        y_ptr, h_ptr, b_ptr, out_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        N, HALF, G, num_slots, n_items,
+        stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
+        stride_bs, stride_bn, stride_br, stride_om, stride_on,
+        R: tl.constexpr, G_POW2: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        """Semantics: with ``g = cast(y[t, c] + d_0)``, ``u = cast(y[t, HALF + c] + d_1)`` (``d_s
+        = h[s, t] . B[slot(t), s*HALF + c]``, 0 for rows that get no delta; ``cast`` rounds to
+        ``y``'s dtype, as :func:`_expand_kernel` storing into ``y`` would),
+        ``out[t, c] = cast(g * sigmoid(g) * u)`` for every row ``t < N`` and ``c < HALF``.
+
+        y ``[N, 2I]``; h ``[2, N, R]`` fp32; B ``[num_slots, 2I, R]``; out ``[N, HALF]``. Row
+        tiles cover the groups (slot 0 or an unknown slot: no delta) and the rows from
+        ``end`` to ``N`` (base rows, padding), so every row of ``out`` is written. Items are
+        numbered ``tile * N_COL_BLOCKS + col_block``; program ``p`` takes ``p, p +
+        num_programs, ...``.
+        """
+        gs = tl.arange(0, G_POW2)
+        in_g = gs < G
+        tail = gs == G  # the rows after end: no delta
+        slot_v = tl.load(lora_ids_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        lo_v = tl.load(offsets_ptr + gs, mask=in_g, other=0).to(tl.int32)
+        hi_v = tl.load(offsets_ptr + gs + 1, mask=in_g, other=0).to(tl.int32)
+        end = tl.minimum(tl.load(end_ptr).to(tl.int32), N)
+        lo_v = tl.where(gs == 0, 0, lo_v)
+        hi_v = tl.where(gs == G - 1, end, tl.minimum(hi_v, end))
+        lo_v = tl.where(tail, end, tl.minimum(lo_v, end))
+        hi_v = tl.where(tail, N, hi_v)
+        slot_v = tl.where(in_g & (slot_v > 0) & (slot_v < num_slots), slot_v, 0)
+        hi_v = tl.where((in_g | tail) & (hi_v > lo_v), hi_v, lo_v)
+        ntiles = (hi_v - lo_v + BLOCK_M - 1) // BLOCK_M
+        last_v = tl.cumsum(ntiles, 0)
+        first_v = last_v - ntiles
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            tile = item // N_COL_BLOCKS
+            pid_n = item % N_COL_BLOCKS
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                offs_m = row0 + tl.arange(0, BLOCK_M)
+                mask_m = offs_m < hi
+                rows = offs_m.to(tl.int64)
+                cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask_c = cols < HALF
+                mask = mask_m[:, None] & mask_c[None, :]
+                y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+                g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)
+                if slot > 0:
+                    offs_r = tl.arange(0, BLOCK_R)
+                    mask_r = offs_r < R
+                    mask_h = mask_m[:, None] & mask_r[None, :]
+                    mask_b = mask_c[:, None] & mask_r[None, :]
+                    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
+                    hg = tl.load(h_ptrs, mask=mask_h, other=0.0)
+                    hu = tl.load(h_ptrs + stride_hs, mask=mask_h, other=0.0)
+                    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
+                              + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)
+                    bg = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+                    bu = tl.load(b_ptrs + HALF * stride_bn, mask=mask_b, other=0.0).to(tl.float32)
+                    if USE_DOT:
+                        dg = tl.dot(hg, tl.trans(bg), input_precision=DOT_PRECISION)
+                        du = tl.dot(hu, tl.trans(bu), input_precision=DOT_PRECISION)
+                    else:
+                        dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
+                        du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
+                    g = (g + dg).to(y_ptr.dtype.element_ty).to(tl.float32)
+                    u = (u + du).to(y_ptr.dtype.element_ty).to(tl.float32)
+                act = g * tl.sigmoid(g) * u
+                tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+                         act.to(out_ptr.dtype.element_ty), mask=mask)
 # fmt: on

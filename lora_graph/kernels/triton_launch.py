@@ -28,7 +28,11 @@ from lora_graph.kernels.triton_config import (
 from lora_graph.kernels.triton_kernels import HAVE_TRITON, triton
 
 if HAVE_TRITON:
-    from lora_graph.kernels.triton_kernels import _expand_kernel, _shrink_kernel
+    from lora_graph.kernels.triton_kernels import (
+        _expand_kernel,
+        _expand_silu_mul_kernel,
+        _shrink_kernel,
+    )
 
 _INTERPRETED = HAVE_TRITON and not isinstance(_shrink_kernel, triton.runtime.JITFunction)
 
@@ -182,6 +186,65 @@ def launch_expand(
         # fmt: on
 
 
+def launch_expand_silu_mul(
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    out: Tensor,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    config: ExpandConfig | None = None,
+) -> None:
+    """Semantics: ``out = silu(g) * u`` where ``[g | u] = y`` plus the delta
+    :func:`launch_expand` would add (each rounded to ``y``'s dtype first), for every row.
+
+    Args:
+        y: ``[N, 2I]`` float32 / bfloat16 / float16 (read only).
+        h: ``[2, N, max_rank]`` float32.
+        b: ``[num_slots, 2I, max_rank]`` strided pool view of the B blocks.
+        out: ``[N, I]``, ``y``'s dtype, written whole.
+        lora_ids, grouped_offsets, end: the routing triple.
+        config: tiles; :func:`expand_config` with columns of at most 64 when None.
+    """
+    _require_triton()
+    num_slices, n, max_rank = h.shape
+    num_slots, out_features, r_b = b.shape
+    g = lora_ids.numel()
+    i = out_features // 2
+    assert num_slices == 2 and r_b == max_rank and y.shape == (n, 2 * i) and out.shape == (n, i)
+    if n == 0:
+        return
+    _check_devices(y, h, b, out, lora_ids, grouped_offsets, end)
+    if config is None:
+        cfg = expand_config(n, i, max_rank, y.element_size(), device_sms(y.device))
+        cfg = ExpandConfig(
+            cfg.block_m,
+            min(cfg.block_n, 64),
+            cfg.block_r,
+            num_warps=4 if cfg.block_m * min(cfg.block_n, 64) < 4096 else 8,
+            max_programs=cfg.max_programs,
+        )
+    else:
+        cfg = config
+    n_blocks = cdiv(i, cfg.block_n)
+    n_items = num_tiles(n, g + 1, cfg.block_m) * n_blocks  # the rows after end: one more group
+    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
+    with _device_guard(y):
+        # fmt: off
+        _expand_silu_mul_kernel[grid](
+            y, h, b, out, lora_ids, grouped_offsets, end,
+            n, i, g, num_slots, n_items,
+            y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
+            b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            R=max_rank, G_POW2=max(16, next_pow2(g + 1)), N_COL_BLOCKS=n_blocks,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, USE_DOT=cfg.use_dot,
+            DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        # fmt: on
+
+
 # --------------------------------------------------------------------------------------
 # the ops' Triton implementations (lora_graph.ops registers them for CUDA)
 # --------------------------------------------------------------------------------------
@@ -202,6 +265,14 @@ def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Te
     fp32 and cast to ``y``'s dtype once."""
     _require_triton()
     launch_expand(y, h, b, tuple(out_slices), *routing)
+
+
+def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor:
+    """:func:`lora_graph.ops.lora_expand_silu_mul` in one launch."""
+    _require_triton()
+    out = torch.empty((y.shape[0], y.shape[1] // 2), dtype=y.dtype, device=y.device)
+    launch_expand_silu_mul(y, h, b, out, *routing)
+    return out
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
