@@ -316,8 +316,18 @@ def test_strided_activations_and_output(pools):
             ),
             C.ExpandConfig(block_m=4, block_n=16, block_r=16, max_programs=1),
         ),
+        # runs of 3 column blocks an item (7 blocks: 3 + 2 + 2 by slice; runs cross slice
+        # boundaries, the last run is short), pipelined; and the same looped by 2 programs
+        (
+            C.ShrinkConfig(block_m=16, block_n=16, block_k=16, split_k=2, k_per_split=48),
+            C.ExpandConfig(block_m=16, block_n=16, block_r=16, blocks_per_item=3),
+        ),
+        (
+            C.ShrinkConfig(block_m=16, block_n=16, block_k=16, split_k=2, k_per_split=48),
+            C.ExpandConfig(block_m=16, block_n=16, block_r=16, max_programs=2, blocks_per_item=2),
+        ),
     ],
-    ids=["bcast-split3-loop", "dot-split2", "dot-nosplit-1prog"],
+    ids=["bcast-split3-loop", "dot-split2", "dot-nosplit-1prog", "runs-of-3", "runs-of-2-loop"],
 )
 def test_forced_configs(pools, shrink_cfg, expand_cfg):
     """Row blocks inside long groups, several column blocks, K splits with atomics,
@@ -422,6 +432,12 @@ def test_expand_silu_mul_matches_expand_then_activation(dtype, groups, n):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     ref = reference.expand_silu_mul(y, reference.shrink(x, a, 2, *routing), b, *routing)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+    # 16-column blocks (3 per half), walked 2 a program: the last program's run is short
+    cfg = C.ExpandConfig(16, 16, MAX_RANK if MAX_RANK >= 16 else 16)
+    for per_program in (1, 2, 3):
+        out = torch.full_like(got, float("nan"))
+        T.launch_expand_silu_mul(y, h, b, out, *routing, config=cfg, blocks_per_program=per_program)
+        torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
 
 
 @interp

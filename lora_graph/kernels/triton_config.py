@@ -52,7 +52,9 @@ class ShrinkConfig(_Tiles):
 
 @dataclass(frozen=True)
 class ExpandConfig(_Tiles):
-    """Tile sizes of the expand kernel (``block_r`` covers ``max_rank``)."""
+    """Tile sizes of the expand kernel (``block_r`` covers ``max_rank``). An item is a row
+    tile and a run of ``blocks_per_item`` column blocks (0: the launcher's choice, one block
+    under a capped grid, else runs long enough that about four items a SM cover the step)."""
 
     block_m: int
     block_n: int
@@ -60,6 +62,7 @@ class ExpandConfig(_Tiles):
     num_warps: int = 4
     num_stages: int = 1
     max_programs: int = 0  # 0: one program per work item; else a grid-stride loop over items
+    blocks_per_item: int = 0
 
 
 def _finish_shrink(

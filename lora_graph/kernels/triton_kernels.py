@@ -28,10 +28,11 @@ Design (no host synchronisation; the grid depends only on shapes):
   block starts. It adds the fp32 product ``h @ B.T`` to ``y`` (upcast) and stores it in
   ``y``'s dtype; only rows that get a delta are written.
 - expand + SwiGLU (``_expand_silu_mul_kernel``): the expand of a gated MLP's gate/up
-  projection ``[N, 2I]`` fused with its activation: an item is ``(row tile, column block
-  of the I outputs)``; it reads the gate and up tiles once, adds their deltas, and writes
-  ``silu(g) * u``. Its row tiles also cover base and padding rows (no delta), since every
-  output row must be written.
+  projection ``[N, 2I]`` fused with its activation: a program takes a row tile and a run of
+  column blocks of the ``I`` outputs, loads its rows' ``h`` once, then for each block reads
+  the gate and up tiles once, adds their deltas and writes ``silu(g) * u`` (a pipelined
+  loop with no branch: rows without a delta read slot 0's zero B). Its row tiles also
+  cover base and padding rows, since every output row must be written.
 - They use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast multiply
   + ``tl.sum`` for ``BLOCK_M < 16``. bf16/fp16 tiles go to the tensor cores as they are;
   fp32 operands use ``input_precision="tf32x3"``.
@@ -228,6 +229,7 @@ if HAVE_TRITON:
         R: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
@@ -236,43 +238,50 @@ if HAVE_TRITON:
         y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
         The slices' column blocks are laid end to end: slice ``i`` owns blocks from
         ``SLICE_BLOCK0[i]`` and columns ``SLICE_COL0[i] + [0, SLICE_WIDTH[i])``. Items are
-        numbered ``tile * N_COL_BLOCKS + col_block``; program ``p`` takes
-        ``p, p + num_programs, ...``.
+        ``(row tile, run of BLOCKS_PER_ITEM column blocks)``, numbered ``tile * runs + run``;
+        program ``p`` takes ``p, p + num_programs, ...`` and walks each item's blocks in a
+        pipelined loop (prefill: a long run streams ``y`` with its loads in flight).
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
             lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+        runs: tl.constexpr = (N_COL_BLOCKS + BLOCKS_PER_ITEM - 1) // BLOCKS_PER_ITEM
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            tile = item // N_COL_BLOCKS
-            pid_n = item % N_COL_BLOCKS
+            tile = item // runs
+            first = (item % runs) * BLOCKS_PER_ITEM
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if row0 < hi:
-                _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
-                             stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
-                             stride_bs, stride_bn, stride_br,
-                             R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
-                             BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
+                stop = tl.minimum(first + BLOCKS_PER_ITEM, N_COL_BLOCKS)
+                for pid_n in tl.range(first, stop, num_stages=NUM_STAGES):
+                    _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+                                 stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
+                                 stride_bs, stride_bn, stride_br,
+                                 R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
     # HALF is specialised on (its divisibility by 16 lets the up half's loads vectorise)
-    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_tiles"])
     def _expand_silu_mul_kernel(
         y_ptr, h_ptr, b_ptr, out_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
-        N, HALF, G, num_slots, n_items,
+        N, HALF, G, num_slots, n_tiles,
         stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
         stride_bs, stride_bn, stride_br, stride_om, stride_on,
         R: tl.constexpr, G_POW2: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
-        """Semantics: with ``g = cast(y[t, c] + d_0)``, ``u = cast(y[t, HALF + c] + d_1)`` (``d_s
-        = h[s, t] . B[slot(t), s*HALF + c]``, 0 for rows that get no delta; ``cast`` rounds to
-        ``y``'s dtype, as :func:`_expand_kernel` storing into ``y`` would),
+        """Semantics: with ``g = cast(y[t, c] + d_0)``, ``u = cast(y[t, HALF + c] + d_1)``
+        (``d_s = h[s, t] . B[slot(t), s*HALF + c]``, 0 for rows that get no delta; ``cast``
+        rounds to ``y``'s dtype, as :func:`_expand_kernel` storing into ``y`` would),
         ``out[t, c] = cast(g * sigmoid(g) * u)`` for every row ``t < N`` and ``c < HALF``.
 
-        y ``[N, 2I]``; h ``[2, N, R]`` fp32; B ``[num_slots, 2I, R]``; out ``[N, HALF]``. Row
-        tiles cover the groups (slot 0 or an unknown slot: no delta) and the rows from
-        ``end`` to ``N`` (base rows, padding), so every row of ``out`` is written. Items are
-        numbered ``tile * N_COL_BLOCKS + col_block``; program ``p`` takes ``p, p +
-        num_programs, ...``.
+        y ``[N, 2*HALF]``; h ``[2, N, R]`` fp32; B ``[num_slots, 2*HALF, R]``; out
+        ``[N, HALF]``. Row tiles cover the groups and the rows from ``end`` to ``N`` (base
+        rows, padding), so every row of ``out`` is written; rows of slot 0 or an unknown slot
+        read slot 0's B, the zero adapter, so their delta is exactly 0. Program
+        ``(tile, j)`` (``program_id(0)`` over ``n_tiles``, ``program_id(1)``) loads its rows'
+        ``h`` once and walks column blocks ``j * BLOCKS_PER_PROGRAM ...`` in a pipelined loop.
         """
+        tile = tl.program_id(0)
         gs = tl.arange(0, G_POW2)
         in_g = gs < G
         tail = gs == G  # the rows after end: no delta
@@ -289,41 +298,42 @@ if HAVE_TRITON:
         ntiles = (hi_v - lo_v + BLOCK_M - 1) // BLOCK_M
         last_v = tl.cumsum(ntiles, 0)
         first_v = last_v - ntiles
-        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            tile = item // N_COL_BLOCKS
-            pid_n = item % N_COL_BLOCKS
-            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
-            if row0 < hi:
-                offs_m = row0 + tl.arange(0, BLOCK_M)
-                mask_m = offs_m < hi
-                rows = offs_m.to(tl.int64)
-                cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+        if row0 < hi:
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < hi
+            rows = offs_m.to(tl.int64)
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            mask_h = mask_m[:, None] & mask_r[None, :]
+            h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
+            hg = tl.load(h_ptrs, mask=mask_h, other=0.0)
+            hu = tl.load(h_ptrs + stride_hs, mask=mask_h, other=0.0)
+            b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
+            y_rows = y_ptr + rows[:, None] * stride_ym
+            out_rows = out_ptr + rows[:, None] * stride_om
+            first = tl.program_id(1) * BLOCKS_PER_PROGRAM
+            stop = tl.minimum(first + BLOCKS_PER_PROGRAM, N_COL_BLOCKS)
+            for blk in tl.range(first, stop, num_stages=NUM_STAGES):
+                cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask_c = cols < HALF
                 mask = mask_m[:, None] & mask_c[None, :]
-                y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
+                mask_b = mask_c[:, None] & mask_r[None, :]
+                y_ptrs = y_rows + cols[None, :] * stride_yn
                 g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
                 u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)
-                if slot > 0:
-                    offs_r = tl.arange(0, BLOCK_R)
-                    mask_r = offs_r < R
-                    mask_h = mask_m[:, None] & mask_r[None, :]
-                    mask_b = mask_c[:, None] & mask_r[None, :]
-                    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
-                    hg = tl.load(h_ptrs, mask=mask_h, other=0.0)
-                    hu = tl.load(h_ptrs + stride_hs, mask=mask_h, other=0.0)
-                    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
-                              + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)
-                    bg = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
-                    bu = tl.load(b_ptrs + HALF * stride_bn, mask=mask_b, other=0.0).to(tl.float32)
-                    if USE_DOT:
-                        dg = tl.dot(hg, tl.trans(bg), input_precision=DOT_PRECISION)
-                        du = tl.dot(hu, tl.trans(bu), input_precision=DOT_PRECISION)
-                    else:
-                        dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
-                        du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
-                    g = (g + dg).to(y_ptr.dtype.element_ty).to(tl.float32)
-                    u = (u + du).to(y_ptr.dtype.element_ty).to(tl.float32)
+                b_ptrs = b_base + cols[:, None] * stride_bn
+                bg = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+                bu = tl.load(b_ptrs + HALF * stride_bn, mask=mask_b, other=0.0).to(tl.float32)
+                if USE_DOT:
+                    dg = tl.dot(hg, tl.trans(bg), input_precision=DOT_PRECISION)
+                    du = tl.dot(hu, tl.trans(bu), input_precision=DOT_PRECISION)
+                else:
+                    dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
+                    du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
+                g = (g + dg).to(y_ptr.dtype.element_ty).to(tl.float32)
+                u = (u + du).to(y_ptr.dtype.element_ty).to(tl.float32)
                 act = g * tl.sigmoid(g) * u
-                tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-                         act.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(out_rows + cols[None, :] * stride_on, act.to(out_ptr.dtype.element_ty),
+                         mask=mask)
 # fmt: on

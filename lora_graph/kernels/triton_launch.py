@@ -168,7 +168,13 @@ def launch_expand(
         n, max(out_slices), max_rank, y.element_size(), device_sms(y.device)
     )
     blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), cfg.block_n)
-    n_items = num_tiles(n, g, cfg.block_m) * n_blocks
+    tiles = num_tiles(n, g, cfg.block_m)
+    per_item = cfg.blocks_per_item or (
+        1
+        if cfg.max_programs  # decode: a capped grid of one-block items
+        else max(1, min(n_blocks, cdiv(tiles * n_blocks, 4 * device_sms(y.device))))
+    )
+    n_items = tiles * cdiv(n_blocks, per_item)
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(y):
         # fmt: off
@@ -179,7 +185,8 @@ def launch_expand(
             b.stride(0), b.stride(1), b.stride(2),
             R=max_rank, G_POW2=max(16, next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
             SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, USE_DOT=cfg.use_dot,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+            BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -195,6 +202,7 @@ def launch_expand_silu_mul(
     grouped_offsets: Tensor,
     end: Tensor,
     config: ExpandConfig | None = None,
+    blocks_per_program: int | None = None,
 ) -> None:
     """Semantics: ``out = silu(g) * u`` where ``[g | u] = y`` plus the delta
     :func:`launch_expand` would add (each rounded to ``y``'s dtype first), for every row.
@@ -206,6 +214,8 @@ def launch_expand_silu_mul(
         out: ``[N, I]``, ``y``'s dtype, written whole.
         lora_ids, grouped_offsets, end: the routing triple.
         config: tiles; :func:`expand_config` with columns of at most 64 when None.
+        blocks_per_program: column blocks one program walks; when None, enough that about
+            four programs a SM cover the step.
     """
     _require_triton()
     num_slices, n, max_rank = h.shape
@@ -218,29 +228,30 @@ def launch_expand_silu_mul(
     _check_devices(y, h, b, out, lora_ids, grouped_offsets, end)
     if config is None:
         cfg = expand_config(n, i, max_rank, y.element_size(), device_sms(y.device))
+        block_n = min(cfg.block_n, 64)
         cfg = ExpandConfig(
-            cfg.block_m,
-            min(cfg.block_n, 64),
-            cfg.block_r,
-            num_warps=4 if cfg.block_m * min(cfg.block_n, 64) < 4096 else 8,
-            max_programs=cfg.max_programs,
+            cfg.block_m, block_n, cfg.block_r, num_warps=4 if cfg.block_m * block_n < 4096 else 8
         )
     else:
         cfg = config
     n_blocks = cdiv(i, cfg.block_n)
-    n_items = num_tiles(n, g + 1, cfg.block_m) * n_blocks  # the rows after end: one more group
-    grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
+    tiles = num_tiles(n, g + 1, cfg.block_m)  # the rows after end: one more group
+    # a run of column blocks a program, so that about 4 programs a SM cover the step
+    per_program = blocks_per_program or cdiv(tiles * n_blocks, 4 * device_sms(y.device))
+    per_program = max(1, min(n_blocks, per_program))
+    grid = (tiles, cdiv(n_blocks, per_program))
     with _device_guard(y):
         # fmt: off
         _expand_silu_mul_kernel[grid](
             y, h, b, out, lora_ids, grouped_offsets, end,
-            n, i, g, num_slots, n_items,
+            n, i, g, num_slots, tiles,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
             R=max_rank, G_POW2=max(16, next_pow2(g + 1)), N_COL_BLOCKS=n_blocks,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, USE_DOT=cfg.use_dot,
+            BLOCKS_PER_PROGRAM=per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_R=cfg.block_r, NUM_STAGES=3, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
         )
         # fmt: on
 
