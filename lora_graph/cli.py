@@ -1,10 +1,12 @@
-"""The ``lora-graph`` command: ``generate`` over a model and adapters, and ``demo``."""
+"""The ``lora-graph`` command: ``generate`` over a model and adapters, ``serve`` (an
+OpenAI-compatible HTTP server), and ``demo``."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,8 +61,11 @@ def build_engine(
     kv_cache_tokens: int | None = None,
     gpu_memory_utilization: float = 0.9,
     progress: bool = True,
+    enable_lora: bool = False,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
+    ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
+    loads adapters at run time).
 
     Raises:
         CliError: if the model or an adapter cannot be loaded (the message names which).
@@ -101,7 +106,7 @@ def build_engine(
             LoRAConfig(
                 max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))
             )
-            if loras
+            if loras or enable_lora
             else None
         )
         pipeline = cls(
@@ -424,6 +429,66 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
+    from lora_graph import server
+
+    if not server.HAVE_SERVER_DEPS:
+        raise CliError("serve needs fastapi, uvicorn and prometheus_client: "
+                       "pip install 'lora_graph[serve]'")  # fmt: skip
+    import uvicorn
+
+    if args.allow_runtime_lora and not args.lora_root:
+        raise CliError("--allow-runtime-lora needs at least one --lora-root DIR to load from")
+    for root in args.lora_root:
+        if not os.path.isdir(root):
+            raise CliError(f"--lora-root {root!r} is not a directory")
+    if args.default_max_tokens < 1:
+        raise CliError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in [1, 65535], got {args.port}")
+    engine, tokenizer = build_engine(
+        args.model,
+        args.lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        compile_mode=args.compile,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        progress=args.progress,
+        enable_lora=args.allow_runtime_lora,
+    )
+    if tokenizer is None:
+        raise CliError(f"--model {args.model!r}: no tokenizer found; the server needs one")
+    config = server.ServerConfig(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or None,
+        allow_runtime_lora=args.allow_runtime_lora,
+        lora_roots=list(args.lora_root),
+        default_max_tokens=args.default_max_tokens,
+    )
+    app = server.create_app(engine, tokenizer, config)
+    manager = engine.pipeline.manager
+    print(
+        f"serving {config.model_name!r} and adapters {manager.loras if manager else []} "
+        f"on http://{args.host}:{args.port}/v1",
+        file=stdout,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
     _check_sampling(SamplingParams(max_new_tokens=args.max_new_tokens))
     assets = Path(args.assets) if args.assets else _assets_dir()
@@ -508,19 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none)",
     )
 
-    gen = sub.add_parser(
-        "generate",
-        parents=[common],
-        help="generate for one prompt or a JSON-lines requests file",
-        description="Generate text for one prompt or for a requests file, each request under its "
-        "adapter, batched together.",
-    )
-    gen.add_argument(
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument(
         "--model",
         required=True,
         help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -528,29 +587,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an adapter under NAME: a PEFT directory, safetensors file or hub repo id "
         "(repeatable)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--max-loras",
         type=int,
         default=4,
         help="device slots: adapters resident at once (default: 4)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--max-lora-rank", type=int, default=64, help="largest adapter rank served (default: 64)"
     )
-    gen.add_argument(
+    engine.add_argument(
         "--max-batch-size",
         type=int,
         default=16,
         help="requests running at once, and in one step (default: 16)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
         help="tokens in one step: decodes plus prompt chunks; longer prompts are prefilled in "
         "chunks across steps while others decode (default: 2048, at least --max-batch-size)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--kv-cache-tokens",
         type=int,
         default=None,
@@ -558,19 +617,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization leaves; elsewhere --max-batch-size x --max-seq-len); when "
         "it runs out, the newest request is preempted and recomputed later",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="on CUDA, the fraction of device memory for weights, adapters, activations and "
         "the KV cache (default: 0.9)",
     )
-    gen.add_argument(
+    engine.add_argument(
         "--max-seq-len",
         type=int,
         default=None,
         help="prompt + generated tokens per request (default: 512, or the model's "
         "max_position_embeddings if smaller)",
+    )
+    gen = sub.add_parser(
+        "generate",
+        parents=[common, engine],
+        help="generate for one prompt or a JSON-lines requests file",
+        description="Generate text for one prompt or for a requests file, each request under its "
+        "adapter, batched together.",
     )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (with --adapter to choose its adapter)")
@@ -604,6 +670,65 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress bar on stderr (default: shown while requests are served)",
     )
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser(
+        "serve",
+        parents=[common, engine],
+        help="an OpenAI-compatible HTTP server (completions, chat, streaming, adapters)",
+        description="Serve the model and its adapters over HTTP with OpenAI's API: "
+        "POST /v1/completions and /v1/chat/completions (model = the base model's name or an "
+        "adapter's), GET /v1/models, /health, /metrics; POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter with --allow-runtime-lora. Needs the serve extra: "
+        "pip install 'lora_graph[serve]'.",
+    )
+    srv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)"
+    )
+    srv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give the base model in 'model' (default: --model as given)",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("LORA_GRAPH_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+        "$LORA_GRAPH_API_KEY; none)",
+    )
+    srv.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)",
+    )
+    srv.add_argument(
+        "--lora-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory runtime loads may read adapters from (repeatable; required with "
+        "--allow-runtime-lora)",
+    )
+    srv.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="max_tokens of a request that gives none (default: 16, as OpenAI's completions)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C; then they are "
+        "cut off (finish_reason 'abort') (default: 10)",
+    )
+    srv.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar while the step is captured",
+    )
+    srv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
         "demo",

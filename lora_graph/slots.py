@@ -73,6 +73,8 @@ class SlotPool:
         self.pool = torch.zeros(num_slots, numel, dtype=dtype, device=device)
         self._owner: OrderedDict[str, int] = OrderedDict()  # key -> slot, oldest first
         self.loads = 0  # weight copies into slots; a steady-state step makes none
+        self.hits = 0  # activations that found the key in a slot
+        self.evictions = 0  # owners that lost their slot to another key
 
     @property
     def max_slots(self) -> int:
@@ -107,6 +109,7 @@ class SlotPool:
         slot = self._owner.get(key)
         if slot is not None:
             self._owner.move_to_end(key)
+            self.hits += 1
             return slot
         slot = self._free_slot(protected, prefer)
         self.pool[slot].copy_(image(), non_blocking=True)
@@ -125,6 +128,7 @@ class SlotPool:
                 f"all {self.max_slots} slots hold pinned adapters or adapters of the running batch"
             )
         victim = next((k for k in evictable if prefer(k)), evictable[0])
+        self.evictions += 1
         return self._owner.pop(victim)
 
     def evict(self, key: str) -> None:

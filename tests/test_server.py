@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server (``lora_graph.server``), started on a loopback port over the
+bundled demo model (a real tokenizer) and its adapters, driven with the ``openai`` client
+and ``httpx``. Every served token is checked against the offline engine's greedy output for
+the same request and adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from lora_graph import server as S  # noqa: E402
+from lora_graph.cli import build_engine  # noqa: E402
+from lora_graph.engine import Request, SamplingParams  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[1] / "examples" / "assets"
+ADAPTERS = ("numbers", "pirate", "shout")
+MODEL = "demo"
+PROMPTS = ["Once upon a time", "The little dog"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A running server and what the tests compare against."""
+
+    def __init__(self, tmp: Path) -> None:
+        torch.manual_seed(0)
+        self.root = tmp / "lora_root"
+        self.root.mkdir()
+        shutil.copytree(ASSETS / "adapters" / "pirate", self.root / "pirate_copy")
+        self.engine, self.tokenizer = build_engine(
+            str(ASSETS / "base"),
+            [f"{a}={ASSETS / 'adapters' / a}" for a in ADAPTERS],
+            max_loras=4,
+            max_lora_rank=64,
+            dtype="float32",
+            device="cpu",
+            max_batch_size=8,
+            max_seq_len=128,
+            max_num_batched_tokens=64,
+            progress=False,
+            enable_lora=True,
+        )
+        self.config = S.ServerConfig(
+            model_name=MODEL, allow_runtime_lora=True, lora_roots=[str(self.root)]
+        )
+        app = S.create_app(self.engine, self.tokenizer, self.config)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def greedy(self, prompt_ids: list[int], adapter: str | None, max_tokens: int) -> list[int]:
+        """The offline engine's greedy tokens (before the server owns the engine)."""
+        out = self.engine.generate(
+            [Request(f"ref-{time.monotonic_ns()}", prompt_ids, adapter,
+                     SamplingParams(max_new_tokens=max_tokens))]  # fmt: skip
+        )[0]
+        assert out.error is None, out.error
+        return out.token_ids
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    srv = Served(tmp_path_factory.mktemp("server"))
+    srv.refs = {}
+    for prompt in PROMPTS:
+        ids = srv.tokenizer(prompt)["input_ids"]
+        for adapter in (None, *ADAPTERS):
+            srv.refs[(prompt, adapter)] = srv.greedy(ids, adapter, 12)
+    srv.tokenizer.chat_template = CHAT_TEMPLATE
+    chat_ids = srv.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    srv.chat_ref = srv.greedy(list(chat_ids), "shout", 10)
+    srv.tokenizer.chat_template = None
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+
+def text_of(served, tokens: list[int]) -> str:
+    return served.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_completions_equal_offline_greedy(served, client):
+    for prompt in PROMPTS:
+        for adapter in (None, *ADAPTERS):
+            r = client.completions.create(
+                model=adapter or MODEL, prompt=prompt, max_tokens=12, temperature=0
+            )
+            ref = served.refs[(prompt, adapter)]
+            assert r.choices[0].text == text_of(served, ref), (prompt, adapter)
+            assert r.usage.completion_tokens == len(ref)
+            assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_completions_and_usage_chunk(served, client):
+    prompt, adapter = PROMPTS[1], "pirate"
+    chunks = list(
+        client.completions.create(
+            model=adapter, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == text_of(served, served.refs[(prompt, adapter)])
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(served.refs[(prompt, adapter)])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_token_prompt_n_and_stop_string(served, client):
+    prompt = PROMPTS[0]
+    ids = served.tokenizer(prompt)["input_ids"]
+    ref = text_of(served, served.refs[(prompt, "numbers")])
+    r = client.completions.create(model="numbers", prompt=ids, max_tokens=12, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [ref, ref]
+    stop = ref.strip()[2:5]
+    assert stop and stop in ref
+    r = client.completions.create(
+        model="numbers", prompt=prompt, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == ref[: ref.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_chat_needs_a_template_then_matches(served, client):
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
+    served.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        messages = [{"role": "user", "content": "Hello"}]
+        r = client.chat.completions.create(
+            model="shout", messages=messages, max_tokens=10, temperature=0
+        )
+        want = text_of(served, served.chat_ref)
+        assert r.choices[0].message.content == want
+        assert r.choices[0].message.role == "assistant"
+        parts = client.chat.completions.create(
+            model="shout", messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        deltas = [c.choices[0].delta.content or "" for c in parts if c.choices]
+        assert "".join(deltas) == want
+    finally:
+        served.tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"model": "nope", "prompt": "hi"}, "'nope' does not exist"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "unknown field 'frobnicate'"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs are not supported"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n must be in"),
+        ({"model": MODEL, "prompt": "word " * 200}, "max_seq_len"),
+        ({"model": MODEL, "prompt": [10**9]}, "prompt token ids"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_cause(served, body, match):
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert match in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_models_lists_base_and_adapters(served, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == MODEL and set(ADAPTERS) <= set(ids)
+
+
+def test_runtime_load_use_unload(served, client):
+    path = served.root / "pirate_copy"
+    r = httpx.post(
+        served.url + "/v1/load_lora_adapter",
+        json={"lora_name": "pirate2", "lora_path": str(path)},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert "pirate2" in [m.id for m in client.models.list().data]
+    got = client.completions.create(
+        model="pirate2", prompt=PROMPTS[0], max_tokens=12, temperature=0
+    )
+    assert got.choices[0].text == text_of(served, served.refs[(PROMPTS[0], "pirate")])
+    r = httpx.post(
+        served.url + "/v1/unload_lora_adapter", json={"lora_name": "pirate2"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.BadRequestError, match="pirate2"):
+        client.completions.create(model="pirate2", prompt="hi", max_tokens=2)
+
+
+def test_runtime_load_refused_outside_root_or_when_off(served, tmp_path):
+    outside = tmp_path / "outside"
+    shutil.copytree(ASSETS / "adapters" / "shout", outside)
+    link = served.root / "escape"
+    os.symlink(outside, link)
+    try:
+        for path in (str(outside), str(link), str(served.root / ".." / "outside")):
+            r = httpx.post(
+                served.url + "/v1/load_lora_adapter",
+                json={"lora_name": "x", "lora_path": path},
+                timeout=30,
+            )
+            assert r.status_code == 400 and "--lora-root" in r.json()["error"]["message"], path
+        served.config.allow_runtime_lora = False
+        r = httpx.post(
+            served.url + "/v1/load_lora_adapter",
+            json={"lora_name": "x", "lora_path": str(served.root / "pirate_copy")},
+            timeout=30,
+        )
+        assert r.status_code == 400 and "--allow-runtime-lora" in r.text
+    finally:
+        served.config.allow_runtime_lora = True
+        link.unlink()
+    bad = served.root / "broken"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{not json")
+    r = httpx.post(
+        served.url + "/v1/load_lora_adapter",
+        json={"lora_name": "broken", "lora_path": str(bad)},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "broken" in r.json()["error"]["message"]
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200  # serving on
+
+
+def test_api_key(served):
+    served.config.api_key = "sekret"
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(served.url + "/v1/models", timeout=10)
+        assert r.status_code == 401
+        ok = httpx.post(
+            served.url + "/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer sekret"},
+            timeout=30,
+        )
+        assert ok.status_code == 200
+        assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+    finally:
+        served.config.api_key = None
+
+
+def metric(served, name: str, **labels) -> float:
+    text = httpx.get(served.url + "/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_metrics_parse_and_move(served, client):
+    before = metric(served, "lora_graph_requests_total", adapter="shout", outcome="length")
+    tokens = metric(served, "lora_graph_generation_tokens_total")
+    client.completions.create(
+        model="shout", prompt=PROMPTS[0], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert metric(served, "lora_graph_requests_total", adapter="shout", outcome="length") == (
+        before + 1
+    )
+    assert metric(served, "lora_graph_generation_tokens_total") == tokens + 3
+    assert metric(served, "lora_graph_time_to_first_token_seconds_count") >= 1
+    assert metric(served, "lora_graph_kv_pages_total") > 0
+
+
+def test_client_disconnect_aborts_and_frees(served):
+    aborted = metric(served, "lora_graph_requests_total", outcome="aborted")
+    body = {"model": "pirate", "prompt": PROMPTS[0], "max_tokens": 100, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and json.loads(line[5:])["choices"]:
+                break  # one token, then hang up
+    deadline = time.monotonic() + 20
+    while metric(served, "lora_graph_requests_total", outcome="aborted") < aborted + 1:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.1)
+    pages = served.engine.pages
+    while pages.num_free != pages.capacity:
+        assert time.monotonic() < deadline, "pages not returned"
+        time.sleep(0.1)
