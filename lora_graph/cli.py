@@ -435,7 +435,6 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     if not server.HAVE_SERVER_DEPS:
         raise CliError("serve needs fastapi, uvicorn and prometheus_client: "
                        "pip install 'lora_graph[serve]'")  # fmt: skip
-    import uvicorn
 
     if args.allow_runtime_lora and not args.lora_root:
         raise CliError("--allow-runtime-lora needs at least one --lora-root DIR to load from")
@@ -479,13 +478,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         file=stdout,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
-    )
+    server.run_server(app, host=args.host, port=args.port, grace=args.shutdown_timeout)
     return 0
 
 

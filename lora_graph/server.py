@@ -164,6 +164,10 @@ class EngineLoop:
         self.engine.abort_request(request_id)
         self._deliver_finished()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (engine thread only)."""
+        self._abort_all()
+
     def _abort_all(self) -> None:
         for request_id in list(self._watchers):
             self.engine.abort_request(request_id)
@@ -396,7 +400,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = EngineLoop(engine, on_step=lambda: metrics.observe_engine(engine))
-        loop_holder["loop"] = loop
+        loop_holder["loop"] = app.state.engine_loop = loop
         metrics.observe_engine(engine)
         loop.start()
         try:
@@ -827,4 +831,30 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     return app
 
 
-__all__ = ["APIError", "EngineLoop", "Metrics", "ServerConfig", "create_app"]
+def run_server(
+    app: FastAPI, *, host: str, port: int, grace: float, log_level: str = "info"
+) -> None:
+    """Serve ``app`` with uvicorn until SIGINT / SIGTERM. On the signal the server stops
+    accepting; requests in flight get ``grace`` seconds to finish, then are aborted, so each
+    one's response still ends properly (``finish_reason`` ``"abort"``, and a stream's usage
+    chunk and ``[DONE]``); the process then exits."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                loop: EngineLoop | None = getattr(app.state, "engine_loop", None)
+                if loop is not None:
+                    timer = threading.Timer(grace, lambda: loop.call(loop.abort_all))
+                    timer.daemon = True
+                    timer.start()
+            super().handle_exit(sig, frame)
+
+    # the responses cut off at `grace` need a moment to be written before uvicorn closes them
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 5
+    )
+    _Server(config).run()
+
+
+__all__ = ["APIError", "EngineLoop", "Metrics", "ServerConfig", "create_app", "run_server"]

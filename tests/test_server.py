@@ -76,8 +76,14 @@ class Served:
     def greedy(self, prompt_ids: list[int], adapter: str | None, max_tokens: int) -> list[int]:
         """The offline engine's greedy tokens (before the server owns the engine)."""
         out = self.engine.generate(
-            [Request(f"ref-{time.monotonic_ns()}", prompt_ids, adapter,
-                     SamplingParams(max_new_tokens=max_tokens))]  # fmt: skip
+            [
+                Request(
+                    f"ref-{time.monotonic_ns()}",
+                    prompt_ids,
+                    adapter,
+                    SamplingParams(max_new_tokens=max_tokens),
+                )
+            ]  # fmt: skip
         )[0]
         assert out.error is None, out.error
         return out.token_ids
@@ -139,7 +145,11 @@ def test_streaming_completions_and_usage_chunk(served, client):
     prompt, adapter = PROMPTS[1], "pirate"
     chunks = list(
         client.completions.create(
-            model=adapter, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            model=adapter,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )  # fmt: skip
     )
@@ -306,7 +316,11 @@ def test_metrics_parse_and_move(served, client):
     before = metric(served, "lora_graph_requests_total", adapter="shout", outcome="length")
     tokens = metric(served, "lora_graph_generation_tokens_total")
     client.completions.create(
-        model="shout", prompt=PROMPTS[0], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        model="shout",
+        prompt=PROMPTS[0],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert metric(served, "lora_graph_requests_total", adapter="shout", outcome="length") == (
         before + 1
@@ -332,3 +346,51 @@ def test_client_disconnect_aborts_and_frees(served):
     while pages.num_free != pages.capacity:
         assert time.monotonic() < deadline, "pages not returned"
         time.sleep(0.1)
+
+
+def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path):
+    """``lora-graph serve`` in a process of its own: it answers, and on SIGTERM a request
+    still streaming ends (finished, or cut off with ``finish_reason`` "abort") and the
+    process exits within its grace period; nothing hangs."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "lora_graph.cli", "serve", "--model", str(ASSETS / "base"),
+            "--lora", f"pirate={ASSETS / 'adapters' / 'pirate'}", "--port", str(port),
+            "--device", "cpu", "--max-seq-len", "512", "--shutdown-timeout", "1"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"model": "pirate", "prompt": "Once", "max_tokens": 500, "stream": True,
+                "ignore_eos": True, "n": 8, "temperature": 0}  # fmt: skip
+        reasons = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            signalled = False
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if not signalled and chunk["choices"]:
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
+        assert signalled and set(reasons) <= {"length", "abort"}
+        # uvicorn re-raises the signal once it has shut down: the status says SIGTERM
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
