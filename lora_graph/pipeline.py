@@ -399,11 +399,17 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(
                 f"{self.model_dir}: the checkpoint does not fit config.json ({detail})"
             ) from e
-        tied = (
-            {k for k in missing if k.endswith(("lm_head.weight", "lm_head.base.weight"))}
-            if getattr(self.config, "tie_word_embeddings", False)
-            else set()
-        )
+        # a tied weight (one parameter under several names, as tied embeddings and LM head)
+        # is loaded when the checkpoint has it under any of its names, as transformers does
+        names: dict[int, list[str]] = {}
+        for name, param in root.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        tied = {
+            k
+            for group in names.values()
+            if len(group) > 1 and any(n in state for n in group)
+            for k in group
+        }
         if set(missing) - tied:
             raise ValueError(
                 f"{self.model_dir}: checkpoint lacks {sorted(set(missing) - tied)[:5]}"

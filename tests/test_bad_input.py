@@ -8,6 +8,7 @@ start-up with exit status 2 and one line on stderr, no traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_graph.cli import _REQUEST_FIELDS, main
 from lora_graph.config import AdapterError
-from lora_graph.engine import SamplingParams, sample
+from lora_graph.engine import LLMEngine, Request, SamplingParams, sample
 
 
 def _run(tiny, argv_extra, *, loras=("A", "B"), stdout=None):
@@ -483,6 +484,27 @@ def test_model_with_bin_weights_only(tiny, tmp_path, reference_factory):
     ]
     assert main(argv, stdout=out) == 0
     assert json.loads(out.getvalue())["token_ids"] == reference_factory(tiny).greedy(ids, None, 5)
+
+
+@pytest.mark.parametrize("kept", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_tied_checkpoint_with_either_name(tiny_factory, tmp_path, reference_factory, kept):
+    """A tied model's checkpoint may hold the shared matrix under either name (safetensors'
+    ``save_model`` keeps ``lm_head.weight``; SmolLM2 converted from GGUF is saved so):
+    transformers loads both, and so must we, with the same greedy tokens."""
+    t = tiny_factory("tied")
+    model_dir = tmp_path / "tied"
+    shutil.copytree(t.base, model_dir)
+    state = load_file(str(model_dir / "model.safetensors"))
+    shared = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state.pop(name, None)
+    state[kept] = shared
+    save_file(state, str(model_dir / "model.safetensors"))
+    pipe = make_pipeline(dataclasses.replace(t, base=model_dir, adapters={}))
+    ids = prompts(1, seed=65)[0]
+    engine = LLMEngine(pipe)
+    out = engine.generate([Request("x", ids, None, SamplingParams(5, ignore_eos=True))])[0]
+    assert out.token_ids == reference_factory(t).greedy(ids, None, 5)
 
 
 def test_sampling_never_fails_for_admitted_params():
