@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -249,10 +250,24 @@ if HAVE_SERVER_DEPS:
         prompt: str | list[int]
         echo: bool = False
 
+    class TextPart(_Body):
+        type: Literal["text"]
+        text: str
+
     class ChatMessage(_Body):
         role: Literal["system", "user", "assistant", "tool", "developer"]
-        content: str
+        content: str | list[TextPart]
         name: str | None = None
+
+        def template_dict(self) -> dict[str, Any]:
+            """The message as a chat template sees it (text parts joined)."""
+            content = self.content
+            if not isinstance(content, str):
+                content = "".join(part.text for part in content)
+            out: dict[str, Any] = {"role": self.role, "content": content}
+            if self.name is not None:
+                out["name"] = self.name
+            return out
 
     class ChatBody(_Sampling):
         messages: list[ChatMessage]
@@ -442,7 +457,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != config.api_key:
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), config.api_key.encode()
+        ):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
 
     auth = [Depends(check_key)]
@@ -747,7 +764,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                 f"the model {config.model_name!r} has no chat template; use /v1/completions",
                 param="messages",
             )
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
         try:
             prompt_ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False

@@ -194,6 +194,13 @@ def test_chat_needs_a_template_then_matches(served, client):
         )
         deltas = [c.choices[0].delta.content or "" for c in parts if c.choices]
         assert "".join(deltas) == want
+        # content as text parts (OpenAI's array form) is the same conversation
+        split = [{"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                              {"type": "text", "text": "lo"}]}]  # fmt: skip
+        r = client.chat.completions.create(
+            model="shout", messages=split, max_tokens=10, temperature=0
+        )
+        assert r.choices[0].message.content == want
     finally:
         served.tokenizer.chat_template = None
 
