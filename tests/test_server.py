@@ -459,3 +459,40 @@ def test_real_chat_model_smollm2(tmp_path):
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graphs_served_from_the_engine_thread():
+    """On CUDA with captured graphs (captured on the main thread, replayed on the engine
+    thread): streamed and plain completions equal the offline greedy tokens."""
+    engine, tokenizer = build_engine(
+        str(ASSETS / "base"), [f"{a}={ASSETS / 'adapters' / a}" for a in ADAPTERS],
+        max_loras=4, max_lora_rank=64, dtype="bfloat16", device="cuda", max_batch_size=8,
+        max_seq_len=128, max_num_batched_tokens=64, compile_mode="cudagraph", progress=False,
+    )  # fmt: skip
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    refs = {}
+    for adapter in (None, *ADAPTERS):
+        out = engine.generate([Request(f"g-{adapter}", ids, adapter, SamplingParams(12))])[0]
+        refs[adapter] = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    app = S.create_app(engine, tokenizer, S.ServerConfig(model_name=MODEL))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not srv.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        for adapter in (None, *ADAPTERS):
+            kw = dict(model=adapter or MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+            assert client.completions.create(**kw).choices[0].text == refs[adapter]
+            chunks = client.completions.create(**kw, stream=True)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == refs[adapter]
+        assert engine.pipeline.graphs.recompiles == 0
+    finally:
+        srv.should_exit = True
+        thread.join(30)
