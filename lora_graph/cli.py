@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -445,6 +446,27 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         raise CliError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if not 0 < args.port < 65536:
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise CliError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
+    if args.max_request_bytes < 1024:
+        raise CliError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+    name = args.served_model_name or args.model
+    if name in {spec.partition("=")[0] for spec in args.lora}:
+        raise CliError(f"--lora {name!r}: the base model is served under that name")
+    with socket.socket() as probe:  # before the model loads: a taken port fails at once
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise CliError(f"--host {args.host} --port {args.port}: cannot bind ({e})") from e
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key is empty (leave it out to serve without a key)")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: serving on {args.host} without --api-key: anyone who can reach it may "
+            "use it",
+            file=sys.stderr,
+        )
     engine, tokenizer = build_engine(
         args.model,
         args.lora,
@@ -464,11 +486,12 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     if tokenizer is None:
         raise CliError(f"--model {args.model!r}: no tokenizer found; the server needs one")
     config = server.ServerConfig(
-        model_name=args.served_model_name or args.model,
-        api_key=args.api_key or None,
+        model_name=name,
+        api_key=args.api_key,
         allow_runtime_lora=args.allow_runtime_lora,
         lora_roots=list(args.lora_root),
         default_max_tokens=args.default_max_tokens,
+        max_request_bytes=args.max_request_bytes,
     )
     app = server.create_app(engine, tokenizer, config)
     manager = engine.pipeline.manager
@@ -685,14 +708,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--api-key",
-        default=os.environ.get("LORA_GRAPH_API_KEY"),
+        default=os.environ.get("LORA_GRAPH_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-        "$LORA_GRAPH_API_KEY; none)",
+        "$LORA_GRAPH_API_KEY; none: anyone who can reach the port may use it)",
     )
     srv.add_argument(
         "--allow-runtime-lora",
         action="store_true",
-        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)",
+        help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default); "
+        "runtime adapters are not bounded by --max-loras (that is the device slots)",
     )
     srv.add_argument(
         "--lora-root",
@@ -709,6 +733,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens of a request that gives none (default: 16, as OpenAI's completions)",
     )
     srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 << 20,
+        help="larger request bodies are refused with 413 before they are read (default: 8 MiB)",
+    )
+    srv.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -719,7 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress",
         dest="progress",
         action="store_false",
-        help="no progress bar while the step is captured",
+        help="no progress bar while the CUDA graphs are captured at start-up (--compile)",
     )
     srv.set_defaults(func=cmd_serve)
 

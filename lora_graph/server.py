@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import secrets
 import threading
 import time
@@ -44,7 +45,7 @@ from lora_graph.config import AdapterError
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams
 
 try:  # the "serve" extra
-    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -58,6 +59,7 @@ try:  # the "serve" extra
         generate_latest,
     )
     from pydantic import BaseModel, ConfigDict, Field
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     HAVE_SERVER_DEPS = True
 except ImportError:  # pragma: no cover - exercised without the extra
@@ -174,13 +176,17 @@ class EngineLoop:
             self.engine.abort_request(request_id)
         self._deliver_finished()
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting up to 50 ms for one if ``block``); return
+        whether any ran."""
+        ran = False
         while True:
             try:
                 fn, future = self._commands.get(block=block, timeout=0.05 if block else None)
             except queue.Empty:
-                return
+                return ran
             block = False
+            ran = True
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
@@ -190,7 +196,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._run_commands(block=not self.engine.has_unfinished())
+                ran = self._run_commands(block=not self.engine.has_unfinished())
+                if ran and self._on_step is not None:  # an abort or a load changed the state
+                    self._on_step()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
                 for request_id, token in self.engine.step():
@@ -225,7 +233,8 @@ class EngineLoop:
 if HAVE_SERVER_DEPS:
 
     class _Body(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        # unknown fields and loose types ("4" for 4, true for 1) are refused
+        model_config = ConfigDict(extra="forbid", strict=True)
 
     class StreamOptions(_Body):
         include_usage: bool = True
@@ -316,15 +325,16 @@ class Metrics:
         self.waiting = Gauge("lora_graph_requests_waiting", "Requests waiting", registry=r)
         self.kv_pages_used = Gauge("lora_graph_kv_pages_used", "KV cache pages in use", registry=r)
         self.kv_pages_total = Gauge("lora_graph_kv_pages_total", "KV cache pages", registry=r)
-        self.slot_hits = Gauge(
+        self.slot_hits = Counter(
             "lora_graph_lora_slot_hits", "Adapter activations that found it in a slot", registry=r
         )
-        self.slot_misses = Gauge(
+        self.slot_misses = Counter(
             "lora_graph_lora_slot_misses", "Adapter activations that copied it in", registry=r
         )
-        self.slot_evictions = Gauge(
+        self.slot_evictions = Counter(
             "lora_graph_lora_slot_evictions", "Adapters evicted from a slot", registry=r
         )
+        self._slot_counts = (0, 0, 0)
         self.adapter_load = Histogram(
             "lora_graph_adapter_load_seconds", "Runtime adapter loads", buckets=buckets,
             registry=r,
@@ -339,9 +349,16 @@ class Metrics:
         self.kv_pages_used.set(pages.capacity - pages.num_free)
         manager = engine.pipeline.manager
         if manager is not None:
-            self.slot_hits.set(manager.slots.hits)
-            self.slot_misses.set(manager.slots.loads)
-            self.slot_evictions.set(manager.slots.evictions)
+            now = (manager.slots.hits, manager.slots.loads, manager.slots.evictions)
+            for counter, new, old in zip(
+                (self.slot_hits, self.slot_misses, self.slot_evictions),
+                now,
+                self._slot_counts,
+                strict=True,
+            ):
+                if new > old:
+                    counter.inc(new - old)
+            self._slot_counts = now
 
     def observe_finished(self, out: RequestOutput, outcome: str | None = None) -> None:
         outcome = outcome or out.finish_reason or ("aborted" if out.error == "aborted" else "error")
@@ -368,6 +385,7 @@ class ServerConfig:
         allow_runtime_lora: whether ``/v1/load_lora_adapter`` may load adapters.
         lora_roots: directories runtime loads may read from (resolved, symlinks followed).
         default_max_tokens: ``max_tokens`` when a request gives none.
+        max_request_bytes: larger request bodies are refused (413) before they are read.
     """
 
     model_name: str
@@ -375,6 +393,7 @@ class ServerConfig:
     allow_runtime_lora: bool = False
     lora_roots: list[str] = field(default_factory=list)
     default_max_tokens: int = 16
+    max_request_bytes: int = 8 << 20
 
 
 @dataclass
@@ -387,16 +406,60 @@ class _Choice:
     finish_reason: str | None = None
     done: bool = False  # its text is final
     engine_done: bool = False  # its engine request finished
+    refused: bool = False  # another choice of its request was refused: never served
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _path_under(path: str, roots: list[str]) -> bool:
-    """Whether ``path`` (symlinks resolved) lies under one of ``roots`` (resolved)."""
-    real = Path(os.path.realpath(path))
-    for root in roots:
-        base = Path(os.path.realpath(root))
-        if real == base or base in real.parents:
-            return True
-    return False
+    """Whether ``path`` and, for a directory, every entry in it (symlinks resolved) lie under
+    one of ``roots`` (resolved); a path with ``..`` never does. A path that cannot be
+    resolved is not under them. (A file swapped between this check and the load is not
+    caught: the roots must not be writable by whoever may call the API.)"""
+    bases = [Path(os.path.realpath(root)) for root in roots]
+
+    def inside(p: str) -> bool:
+        real = Path(os.path.realpath(p))
+        return any(real == base or base in real.parents for base in bases)
+
+    try:
+        if ".." in Path(path).parts or not inside(path):
+            return False
+        if os.path.isdir(path):
+            return all(inside(entry.path) for entry in os.scandir(path))
+        return True
+    except (OSError, ValueError):  # a NUL byte, a loop of links, no permission
+        return False
+
+
+class _Guard:
+    """ASGI middleware: the API key, checked before the body is read, and the body size
+    limit (a plain ASGI wrapper, so a handler still sees its client hang up)."""
+
+    def __init__(self, app: Any, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        error = None
+        key = self.config.api_key
+        if scope["path"] != "/health" and key is not None:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme != "Bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+                error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        length = headers.get("content-length", "")
+        limit = self.config.max_request_bytes
+        if error is None and length.isdigit() and int(length) > limit:
+            error = APIError(413, f"the request body is over {limit} bytes")
+        if error is None:
+            await self.app(scope, receive, send)
+        else:
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
 
 
 def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -423,7 +486,12 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         finally:
             await asyncio.to_thread(loop.stop)
 
-    app = FastAPI(title="lora_graph", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: every route but /health is behind the API key
+    app = FastAPI(
+        title="lora_graph", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    app.add_middleware(_Guard, config=config)
 
     def engine_loop() -> EngineLoop:
         return loop_holder["loop"]
@@ -435,6 +503,11 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     async def _api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -442,27 +515,19 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         message = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
             message = f"unknown field {where!r}"
+        elif first.get("type") == "json_invalid":
+            message, where = "the body is not valid JSON", ""
         elif where:
             message = f"{where}: {message}"
         return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(
             APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code
         )
 
-    async def check_key(request: HTTPRequest) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), config.api_key.encode()
-        ):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
-
-    auth = [Depends(check_key)]
+    auth: list[Any] = []  # the API key is checked by the middleware above
 
     def adapter_of(model: str) -> str | None:
         if model == config.model_name:
@@ -526,6 +591,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
 
         def finished(c: _Choice, out: RequestOutput) -> None:  # engine thread
             c.engine_done = True
+            if c.refused:
+                return
             # a stop string ends a choice by aborting its engine request: count it a stop
             stopped = out.error == "aborted" and c.finish_reason == "stop"
             metrics.observe_finished(out, "stop" if stopped else None)
@@ -537,8 +604,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             try:
                 for c in choices:
                     s = sampling
-                    if n > 1 and sampling.seed is not None:
-                        s = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + c.index})
+                    if n > 1 and sampling.seed is not None:  # choice i draws with seed + i
+                        seed = (sampling.seed + c.index) % 2**64
+                        s = SamplingParams(**{**sampling.__dict__, "seed": seed})
                     watcher = _Watcher(
                         lambda t, i=c.index: put((i, "token", t)),
                         lambda out, c=c: finished(c, out),
@@ -546,6 +614,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                     loop.submit(Request(c.request_id, list(prompt_ids), adapter, s), watcher)
                     submitted.append(c.request_id)
             except ValueError:
+                for c in choices:
+                    c.refused = True  # not counted as served requests
                 for request_id in submitted:
                     loop.abort(request_id)
                 raise
@@ -607,6 +677,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         if out.error is not None:
             if out.error == "aborted":
                 choice.finish_reason = "abort"
+            elif "was unloaded" in out.error:  # queued when its adapter was unloaded
+                raise APIError(400, out.error, param="model")
             else:
                 raise APIError(500, out.error)
         else:
@@ -616,14 +688,19 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         choice.text = full
         return new
 
-    async def next_event(events: asyncio.Queue, http: HTTPRequest) -> Any:
-        """The next event; raises ``asyncio.CancelledError`` if the client went away."""
+    async def next_event(events: asyncio.Queue, http: HTTPRequest, state: dict) -> Any:
+        """The next event; raises ``asyncio.CancelledError`` if the client went away
+        (checked at least every half second, also while tokens keep coming)."""
         while True:
+            now = time.monotonic()
+            if now - state.setdefault("checked", now) >= 0.5:
+                state["checked"] = now
+                if await http.is_disconnected():
+                    raise asyncio.CancelledError
             try:
                 return await asyncio.wait_for(events.get(), timeout=0.5)
             except TimeoutError:
-                if await http.is_disconnected():
-                    raise asyncio.CancelledError from None
+                continue
 
     def usage(prompt_len: int, choices: list[_Choice]) -> dict[str, int]:
         completion = sum(len(c.tokens) for c in choices)
@@ -640,10 +717,19 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         max_tokens: int | None,
         chat: bool,
     ) -> Any:
+        limit = engine.pipeline.max_seq_len
+        if len(prompt_ids) >= limit:  # (a text prompt is read up to 64 characters a position)
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens or more; at most {limit - 1} fit "
+                "(max_seq_len)",
+                param="messages" if chat else "prompt",
+            )
         adapter = adapter_of(body.model)
         sampling = sampling_of(body, max_tokens)
         stops = stops_of(body)
         choices, events = await run(http, prompt_ids, adapter, sampling, body.n, stops)
+        watch: dict[str, float] = {}
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         kind = "chat.completion" if chat else "text_completion"
@@ -659,7 +745,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         if not body.stream:
             try:
                 while not all(c.done for c in choices):
-                    index, event, value = await next_event(events, http)
+                    index, event, value = await next_event(events, http, watch)
                     c = choices[index]
                     if not c.done:
                         advance(c, event, value)
@@ -723,7 +809,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                     for c in choices:
                         yield chunk([piece(c.index, "", None, first=True)])
                 while not all(c.done for c in choices):
-                    index, event, value = await next_event(events, http)
+                    index, event, value = await next_event(events, http, watch)
                     c = choices[index]
                     if c.done:
                         continue
@@ -751,7 +837,13 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if isinstance(body.prompt, str):
-            prompt_ids = tokenizer(body.prompt)["input_ids"]
+            limit = engine.pipeline.max_seq_len
+            try:  # off the event loop: a long prompt must not stall other connections
+                prompt_ids = await asyncio.to_thread(
+                    lambda: tokenizer(body.prompt[: 64 * limit])["input_ids"]
+                )
+            except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
+                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from e
         else:
             prompt_ids = list(body.prompt)
         return await serve(http, body, prompt_ids, body.max_tokens, chat=False)
@@ -805,7 +897,19 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             raise APIError(400, "this server was started without LoRA support")
         if body.lora_name == config.model_name:
             raise APIError(400, f"{body.lora_name!r} is the base model's name", param="lora_name")
-        if ".." in Path(body.lora_path).parts or not _path_under(body.lora_path, config.lora_roots):
+        if not _NAME.fullmatch(body.lora_name):
+            raise APIError(
+                400,
+                f"lora_name {body.lora_name[:80]!r} must be 1-64 letters, digits, '.', '_' or '-'",
+                param="lora_name",
+            )
+        if await on_engine(lambda: manager.is_lora(body.lora_name)):
+            raise APIError(
+                400,
+                f"an adapter named {body.lora_name!r} is already loaded; unload it first",
+                param="lora_name",
+            )
+        if not _path_under(body.lora_path, config.lora_roots):
             raise APIError(
                 400,
                 f"lora_path {body.lora_path!r} is not under an allowed --lora-root",

@@ -219,13 +219,44 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": [10**9]}, "prompt token ids"),
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict types
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
+        ({"model": MODEL, "prompt": [True]}, "prompt"),
+        ({"model": MODEL, "prompt": "\ud800"}, "cannot be tokenized"),  # a lone surrogate
+        ({"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
     ],
 )
 def test_bad_requests_get_400_naming_the_cause(served, body, match):
-    r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
+    r = httpx.post(  # (json.dumps escapes a lone surrogate; httpx's encoder cannot)
+        served.url + "/v1/completions",
+        content=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert match in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_not_json_unknown_route_and_body_limit(served):
+    json_type = {"Content-Type": "application/json"}
+    r = httpx.post(
+        served.url + "/v1/completions", content=b"{not json", headers=json_type, timeout=10
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    for path in ("/nope", "/docs", "/openapi.json"):
+        r = httpx.get(served.url + path, timeout=10)
+        assert r.status_code == 404 and "error" in r.json(), path
+    served.config.max_request_bytes = 1000
+    try:
+        r = httpx.post(
+            served.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "x" * 2000},
+            timeout=10,
+        )
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+    finally:
+        served.config.max_request_bytes = S.ServerConfig(MODEL).max_request_bytes
 
 
 def test_models_lists_base_and_adapters(served, client):
@@ -286,6 +317,24 @@ def test_runtime_load_refused_outside_root_or_when_off(served, tmp_path):
         timeout=30,
     )
     assert r.status_code == 400 and "broken" in r.json()["error"]["message"]
+    # files symlinked out of a directory that is itself inside the root
+    sneaky = served.root / "sneaky"
+    sneaky.mkdir()
+    for f in outside.iterdir():
+        os.symlink(f, sneaky / f.name)
+    cases = {
+        "sneaky": (str(sneaky), "--lora-root"),
+        "nul": (str(served.root / "pirate\x00copy"), "--lora-root"),
+        "pirate": (str(served.root / "pirate_copy"), "already loaded"),
+        "bad/name": (str(served.root / "pirate_copy"), "lora_name"),
+    }
+    for name, (path, match) in cases.items():
+        r = httpx.post(
+            served.url + "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": path},
+            timeout=30,
+        )
+        assert r.status_code == 400 and match in r.json()["error"]["message"], (name, r.text)
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200  # serving on
 
 
@@ -296,6 +345,10 @@ def test_api_key(served):
         r = httpx.post(served.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = httpx.get(served.url + "/v1/models", timeout=10)
+        assert r.status_code == 401
+        r = httpx.post(served.url + "/v1/completions", content=b"{garbage", timeout=10)
+        assert r.status_code == 401  # the key is checked before the body is read
+        r = httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         ok = httpx.post(
             served.url + "/v1/completions",
@@ -335,6 +388,30 @@ def test_metrics_parse_and_move(served, client):
     assert metric(served, "lora_graph_generation_tokens_total") == tokens + 3
     assert metric(served, "lora_graph_time_to_first_token_seconds_count") >= 1
     assert metric(served, "lora_graph_kv_pages_total") > 0
+
+
+def test_non_streaming_client_that_hangs_up_is_aborted(served, monkeypatch):
+    """A plain (non-streaming) request whose client gives up is aborted while tokens keep
+    coming, and the gauges say so once the engine is idle."""
+    step = served.engine.step
+
+    def slow_step():  # about 25 steps a second, so the request outlives its client
+        time.sleep(0.04)
+        return step()
+
+    monkeypatch.setattr(served.engine, "step", slow_step)
+    aborted = metric(served, "lora_graph_requests_total", outcome="aborted")
+    body = {"model": "shout", "prompt": PROMPTS[1], "max_tokens": 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while metric(served, "lora_graph_requests_total", outcome="aborted") < aborted + 1:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.1)
+    while metric(served, "lora_graph_requests_running") != 0:
+        assert time.monotonic() < deadline, "the running gauge did not come back to 0"
+        time.sleep(0.1)
+    assert metric(served, "lora_graph_kv_pages_used") == 0
 
 
 def test_client_disconnect_aborts_and_frees(served):
@@ -496,3 +573,35 @@ def test_gpu_cuda_graphs_served_from_the_engine_thread():
     finally:
         srv.should_exit = True
         thread.join(30)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be at least 0"),
+        (["--api-key", ""], "--api-key is empty"),
+        (["--served-model-name", "pirate"], "the base model is served under that name"),
+        (["--allow-runtime-lora"], "needs at least one --lora-root"),
+        (["--lora-root", "/no/such/dir"], "is not a directory"),
+        (["--max-request-bytes", "10"], "--max-request-bytes"),
+    ],
+)
+def test_cli_serve_refuses_bad_flags_before_loading(extra, match, capsys):
+    from lora_graph.cli import main
+
+    argv = ["serve", "--model", str(ASSETS / "base"), "--device", "cpu",
+            "--lora", f"pirate={ASSETS / 'adapters' / 'pirate'}", *extra]  # fmt: skip
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_serve_port_in_use(capsys):
+    from lora_graph.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--model", str(ASSETS / "base"), "--device", "cpu", "--port", str(port)]
+        assert main(argv) == 2
+    assert "cannot bind" in capsys.readouterr().err
