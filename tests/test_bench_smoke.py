@@ -12,7 +12,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py", "serve.py"}
+WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py", "serve.py", "serve_load.py"}
 
 
 def test_every_benchmark_is_covered():
@@ -24,6 +24,7 @@ def test_every_benchmark_is_covered():
         "precision.py",
         "profile_step.py",
         "serve.py",
+        "serve_load.py",
     ]
 
 

@@ -1,0 +1,340 @@
+"""Load test of the HTTP server (``lora-graph serve``'s app), in this process, on loopback.
+
+A random Llama of the given shapes (Llama-3-8B by default, ``--smoke`` for tiny ones on the
+CPU) with a generated word-level tokenizer, ``--adapters`` random rank-16 adapters served
+through ``--max-loras`` slots, and one more adapter to load while the test runs. Each round
+sends ``--requests`` completions from ``--clients`` concurrent clients, spread over the
+base model and the adapters: some stream, some stream and hang up after their first
+chunk; halfway through, one adapter is loaded (``/v1/load_lora_adapter``) and another
+unloaded. Every request must either complete with the offline engine's greedy output for
+the same prompt and adapter, or get a clear 400 (an adapter not loaded yet, or no longer);
+none may be lost (no answer, a 5xx, a wrong text) or answered twice. After each round the
+server must be idle with every KV page back, and its resident and device memory must not
+grow from one round to the next.
+
+Prints per round: requests/s, outcomes, time to first token and inter-token latency
+(p50/p90, streamed requests, measured by the clients), resident and device memory.
+
+    python bench/serve_load.py                 # the H200 run (CUDA graphs)
+    python bench/serve_load.py --smoke         # tiny shapes on the CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+# the repository root instead of bench/ first on the path (bench/kernels.py must not shadow
+# the `kernels` package transformers looks for)
+sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
+
+
+def _decode_module():
+    spec = importlib.util.spec_from_file_location(
+        "lora_graph_bench_decode", Path(__file__).parent / "decode.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_model(path: Path, shapes: dict, device: str) -> None:
+    """Random bf16 weights of ``shapes``, and a word-level tokenizer ``t0 .. t{vocab-1}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**{**shapes, "max_position_embeddings": 4096})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(shapes["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+
+
+def percentiles(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return float("nan"), float("nan")
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return statistics.median(xs), q[8]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=None, help="a round (default 500; smoke 60)")
+    p.add_argument("--clients", type=int, default=None, help="concurrent (default 64; smoke 16)")
+    p.add_argument("--adapters", type=int, default=8, help="served adapters (default 8)")
+    p.add_argument("--max-loras", type=int, default=4, help="device slots (default 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="a request (default 64; smoke 6)")
+    p.add_argument(
+        "--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform (default 32 512; smoke 3 20)",
+    )  # fmt: skip
+    p.add_argument("--stream-share", type=float, default=0.5)
+    p.add_argument("--disconnect-share", type=float, default=0.1)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    import httpx
+    import uvicorn
+
+    from lora_graph import server as S
+    from lora_graph.cli import build_engine
+    from lora_graph.engine import Request, SamplingParams
+
+    bench_decode = _decode_module()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda" if cuda else "cpu"
+    shapes = dict(bench_decode.SMOKE if args.smoke else bench_decode.LLAMA3_8B)
+    defaults = dict(requests=(500, 60), clients=(64, 16), max_tokens=(64, 6),
+                    prompt_len=((32, 512), (3, 20)))  # fmt: skip
+    for name, (full, smoke) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    work = Path(tempfile.mkdtemp(prefix="lora_graph_load_"))
+    write_model(work / "base", shapes, device)
+    root = work / "adapters"
+    names = [f"a{i}" for i in range(args.adapters + 1)]  # the last is loaded while running
+    for i, name in enumerate(names):
+        bench_decode.write_adapter(root / name, shapes, 16, seed=i)
+    late, leaving = names[-1], names[-2]
+    max_seq_len = args.prompt_len[1] + args.max_tokens + 1
+    engine, tokenizer = build_engine(
+        str(work / "base"),
+        [f"{n}={root / n}" for n in names],
+        max_loras=args.max_loras,
+        max_lora_rank=16,
+        dtype="bfloat16" if cuda else "float32",
+        device=device,
+        max_batch_size=64,
+        max_seq_len=max_seq_len,
+        compile_mode="cudagraph" if cuda else "none",
+        max_num_batched_tokens=512 if cuda else 64,
+        progress=False,
+        enable_lora=True,
+    )
+
+    # the requests (the same every round) and their offline greedy outputs
+    rng = random.Random(0)
+    plan = []
+    for i in range(args.requests):
+        adapter = rng.choice([None, *names])
+        n = rng.randint(*args.prompt_len)
+        ids = [rng.randrange(3, shapes["vocab_size"]) for _ in range(n)]
+        kind = "plain"
+        if rng.random() < args.stream_share:
+            kind = (
+                "disconnect"
+                if rng.random() < args.disconnect_share / args.stream_share
+                else "stream"
+            )
+        plan.append((i, adapter, ids, kind))
+    sampling = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate([Request(f"ref{i}", ids, a, sampling) for i, a, ids, _ in plan])
+    refs = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    print(f"# offline references: {len(plan)} requests in {time.perf_counter() - t0:.1f} s")
+    engine.pipeline.manager.unload_adapter(late)  # loaded again over HTTP, midway
+
+    config = S.ServerConfig(model_name="base", allow_runtime_lora=True, lora_roots=[str(root)])
+    app = S.create_app(engine, tokenizer, config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+
+    async def one(client, i, adapter, ids, kind, record):
+        body = {"model": adapter or "base", "prompt": ids, "max_tokens": args.max_tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        start = time.perf_counter()
+        try:
+            if kind == "plain":
+                r = await client.post(url + "/v1/completions", json=body)
+                if r.status_code == 200:
+                    record(i, "ok", r.json()["choices"][0]["text"], None)
+                else:
+                    record(i, f"http {r.status_code}", r.json()["error"]["message"], None)
+                return
+            body["stream"] = True
+            times, text = [], []
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    record(i, f"http {r.status_code}", json.loads(r.text)["error"]["message"], None)
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        record(i, "stream error", chunk["error"]["message"], None)
+                        return
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        times.append(time.perf_counter())
+                        text.append(chunk["choices"][0]["text"])
+                        if kind == "disconnect":
+                            record(i, "disconnected", "", None)
+                            return  # leaving the block closes the connection
+            record(i, "ok", "".join(text), (start, times))
+        except Exception as e:  # noqa: BLE001 - counted as lost
+            record(i, "exception", repr(e), None)
+
+    async def admin(client, action, name):
+        if action == "load":
+            payload = {"lora_name": name, "lora_path": str(root / name)}
+            r = await client.post(url + "/v1/load_lora_adapter", json=payload)
+        else:
+            r = await client.post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200, r.text
+
+    def metric(name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name
+        )
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    async def round_(k: int) -> dict:
+        results: dict[int, tuple[str, str, tuple | None]] = {}
+        answers = {"n": 0}
+
+        def record(i, outcome, text, timing):
+            answers["n"] += 1
+            results.setdefault(i, (outcome, text, timing))
+
+        limits = httpx.Limits(max_connections=args.clients)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            gate = asyncio.Semaphore(args.clients)
+            done = {"n": 0}
+            swapped = asyncio.Event()
+
+            async def run(item):
+                async with gate:
+                    await one(client, *item, record)
+                done["n"] += 1
+                if done["n"] >= len(plan) // 2 and not swapped.is_set():
+                    swapped.set()
+                    await asyncio.gather(
+                        admin(client, "load", late), admin(client, "unload", leaving)
+                    )
+
+            start = time.perf_counter()
+            await asyncio.gather(*(run(item) for item in plan))
+            wall = time.perf_counter() - start
+            # back as they were, for the next round
+            await asyncio.gather(admin(client, "unload", late), admin(client, "load", leaving))
+        counts: dict[str, int] = {}
+        wrong = []
+        ttft, itl = [], []
+        for i, adapter, _, _ in plan:
+            outcome, text, timing = results.get(i, ("lost", "", None))
+            if outcome == "ok" and text != refs[i]:
+                outcome = "wrong"
+                wrong.append(i)
+            # an adapter not loaded yet, or unloaded: refused up front, or, for a request
+            # queued when its adapter was unloaded, an error event in its stream
+            clear = (
+                outcome in ("http 400", "stream error")
+                and adapter in (late, leaving)
+                and ("does not exist" in text or "was unloaded" in text)
+            )
+            if outcome == "stream error" and not clear:
+                print(f"  request {i} ({adapter}): stream error {text!r}")
+            if clear:
+                outcome = "refused (adapter not loaded)"
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if timing is not None and timing[1]:
+                ttft.append(timing[1][0] - timing[0])
+                itl += [b - a for a, b in zip(timing[1], timing[1][1:], strict=False)]
+        deadline = time.monotonic() + 60
+        while metric("lora_graph_requests_running") or metric("lora_graph_kv_pages_used"):
+            assert time.monotonic() < deadline, "the server did not go idle"
+            time.sleep(0.1)
+        if cuda:
+            torch.cuda.synchronize()
+        return dict(
+            round=k,
+            wall_s=wall,
+            requests_per_s=len(plan) / wall,
+            outcomes=counts,
+            answers=answers["n"],
+            ttft_p50_ms=percentiles(ttft)[0] * 1e3,
+            ttft_p90_ms=percentiles(ttft)[1] * 1e3,
+            itl_p50_ms=percentiles(itl)[0] * 1e3,
+            itl_p90_ms=percentiles(itl)[1] * 1e3,
+            rss_mb=rss_mb(),
+            device_mb=torch.cuda.memory_allocated() / 2**20 if cuda else 0.0,
+            wrong=wrong[:10],
+        )
+
+    rounds = [asyncio.run(round_(k + 1)) for k in range(args.rounds)]
+    srv.should_exit = True
+    thread.join(30)
+
+    print(f"\n{args.requests} requests a round, {args.clients} clients, base + "
+          f"{args.adapters} adapters through {args.max_loras} slots, {device}\n")  # fmt: skip
+    print("| round | wall s | req/s | ok | refused | disconnected | wrong | lost | "
+          "TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | RSS MB | device MB |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    failed = []
+    for r in rounds:
+        c = r["outcomes"]
+        bad = sum(v for k, v in c.items() if k not in ("ok", "disconnected") and "refused" not in k)
+        cells = [
+            r["round"], f"{r['wall_s']:.2f}", f"{r['requests_per_s']:.1f}", c.get("ok", 0),
+            c.get("refused (adapter not loaded)", 0), c.get("disconnected", 0),
+            c.get("wrong", 0), bad - c.get("wrong", 0), f"{r['ttft_p50_ms']:.0f}",
+            f"{r['ttft_p90_ms']:.0f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p90_ms']:.1f}",
+            f"{r['rss_mb']:.0f}", f"{r['device_mb']:.0f}",
+        ]  # fmt: skip
+        print("| " + " | ".join(str(x) for x in cells) + " |")
+        if bad or r["answers"] != len(plan):
+            failed.append(f"round {r['round']}: outcomes {c}, answers {r['answers']}")
+    if len(rounds) > 1:
+        grew_rss = rounds[-1]["rss_mb"] - rounds[0]["rss_mb"]
+        grew_dev = rounds[-1]["device_mb"] - rounds[0]["device_mb"]
+        print(f"\nmemory from round 1 to {len(rounds)}: resident {grew_rss:+.0f} MB, "
+              f"device {grew_dev:+.0f} MB")  # fmt: skip
+        if grew_rss > max(64.0, 0.05 * rounds[0]["rss_mb"]) or grew_dev > 1.0:
+            failed.append(f"memory grew: resident {grew_rss:+.0f} MB, device {grew_dev:+.0f} MB")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(args=vars(args), rounds=rounds), indent=1))
+    if failed:
+        sys.exit("FAILED: " + "; ".join(failed))
+
+
+if __name__ == "__main__":
+    main()
