@@ -527,8 +527,6 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code
         )
 
-    auth: list[Any] = []  # the API key is checked by the middleware above
-
     def adapter_of(model: str) -> str | None:
         if model == config.model_name:
             return None
@@ -572,7 +570,6 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         return stops
 
     async def run(
-        http: HTTPRequest,
         prompt_ids: list[int],
         adapter: str | None,
         sampling: SamplingParams,
@@ -728,7 +725,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         adapter = adapter_of(body.model)
         sampling = sampling_of(body, max_tokens)
         stops = stops_of(body)
-        choices, events = await run(http, prompt_ids, adapter, sampling, body.n, stops)
+        choices, events = await run(prompt_ids, adapter, sampling, body.n, stops)
         watch: dict[str, float] = {}
         created = int(time.time())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -832,7 +829,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
 
         return EventSourceResponse(stream())
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody) -> Any:
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -848,7 +845,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             prompt_ids = list(body.prompt)
         return await serve(http, body, prompt_ids, body.max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody) -> Any:
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
@@ -868,7 +865,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         return await serve(http, body, list(prompt_ids), max_tokens, chat=True)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         manager = engine.pipeline.manager
         names = await on_engine(lambda: list(manager.loras) if manager is not None else [])
@@ -888,7 +885,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         ]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/load_lora_adapter", dependencies=auth)
+    @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadBody) -> PlainTextResponse:
         if not config.allow_runtime_lora:
             raise APIError(400, "runtime adapter loading is off (start with --allow-runtime-lora)")
@@ -927,7 +924,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             f"Success: LoRA adapter '{body.lora_name}' added successfully ({status.name.lower()})."
         )
 
-    @app.post("/v1/unload_lora_adapter", dependencies=auth)
+    @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadBody) -> PlainTextResponse:
         if not config.allow_runtime_lora:
             raise APIError(400, "runtime adapter loading is off (start with --allow-runtime-lora)")
@@ -943,7 +940,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             return PlainTextResponse("engine stopped", status_code=503)
         return PlainTextResponse("ok")
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(
             generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST
