@@ -6,6 +6,9 @@
 #                                   max_seq_len 8192 compared) + bench/attention.py
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
 #   bash bench/gpu_run.sh precision bench/precision.py
+#   bash bench/gpu_run.sh serveload bench/serve_load.py, the HTTP server's load test (needs the
+#                                   wheels of bench/server_wheels.sh carried in bench/out/wheels)
+#                                   and the server's GPU test
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
@@ -44,6 +47,12 @@ for stage in "$@"; do
         python3 bench/serve.py --skip-base --peft-requests 0 --side-stream-rows $rows --json "$OUT/serve_side$rows.json" \
           2>&1 | grep "^| lora" | sed "s/^/side-stream rows $rows: /"
       done ;;
+    serveload)
+      python3 -m pip install -q --no-index --find-links bench/out/wheels fastapi uvicorn \
+        prometheus_client openai httpx 2>&1 | tail -2
+      python3 -m pytest -q -rs -p no:cacheprovider tests/test_server.py -k gpu 2>&1 | tail -3
+      python3 bench/serve_load.py --json "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" \
+        | grep -v Warning | tail -10 ;;
     precision)
       python3 bench/precision.py 2>&1 | grep "|" | tee "$OUT/precision.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

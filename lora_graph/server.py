@@ -304,7 +304,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "lora_graph_requests", "Finished requests", ["adapter", "outcome"], registry=r
+            "lora_graph_requests",
+            "Finished engine requests (each of a request's n choices counts)",
+            ["adapter", "outcome"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "lora_graph_prompt_tokens", "Prompt tokens of admitted requests", registry=r
@@ -813,8 +816,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                     try:
                         text = advance(c, event, value)
                     except APIError as e:
-                        yield sse(e.body())
+                        yield sse(e.body())  # an error event, then the stream ends as usual
                         abort_all(choices)
+                        yield sse("[DONE]")
                         return
                     if c.done and event == "token":  # a stop string ended it
                         abort_all([c])
