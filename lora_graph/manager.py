@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import AdapterReader, ModuleMap, resolve_adapter
+from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layout import SlotLayout
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
@@ -29,6 +30,19 @@ from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_bat
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
 from lora_graph.targets import LoraModuleRef, LoraTarget
 from lora_graph.wrapping import LoRALayer, WeightsAdapter, lora_weight_adapter, wrap_model
+
+
+@dataclass(frozen=True)
+class ReadAdapter:
+    """An adapter read and normalised by :meth:`LoRAManager.read_adapter`, not yet served:
+    its name, source, weight digest, slot image (CPU; None when the name already serves
+    these weights) and rank."""
+
+    name: str
+    src: AdapterSource
+    digest: str
+    image: Tensor | None
+    rank: int
 
 
 class LoRAManager:
@@ -148,7 +162,8 @@ class LoRAManager:
         return info
 
     def load_adapter(self, path: str, *, name: str | None = None, pin: bool = False) -> LoRAStatus:
-        """Load one adapter into the host tier (``"name=path"``, or ``path`` as its name).
+        """Load one adapter into the host tier (``"name=path"``, or ``path`` as its name):
+        :meth:`read_adapter` then :meth:`add_adapter`.
 
         A known name with the same weights is left as it is (``UNCHANGED``); with other
         weights it is replaced (``RELOADED``) and the load does not wait: requests admitted
@@ -160,6 +175,17 @@ class LoRAManager:
             AdapterError: if the adapter cannot be served (the message names the cause), or
                 its digest differs from ``config.adapter_digests[name]``.
             NoFreeSlotError: if ``pin`` and no slot can be given to it.
+        """
+        return self.add_adapter(self.read_adapter(path, name=name), pin=pin)
+
+    def read_adapter(self, path: str, *, name: str | None = None) -> ReadAdapter:
+        """Read, validate and normalise an adapter (the slow part of a load: files, the
+        digest, the slot image) without changing what is served, so a server can do it on
+        another thread than the one stepping the engine. A name already loaded with the
+        same weights is not read again (``image`` None).
+
+        Raises:
+            AdapterError: as :meth:`load_adapter`.
         """
         if name is None:
             name, _, rest = path.partition("=")
@@ -179,16 +205,33 @@ class LoRAManager:
             )
         old = self.registry.get(name) if name in self.registry else None
         if old is not None and old.digest == digest:
+            return ReadAdapter(name, src, digest, None, old.rank)
+        image, rank, saved_base = self.reader.load(
+            name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype
+        )
+        self._check_saved_base(name, saved_base)
+        if self.host.pin and not image.is_pinned():
+            image = image.pin_memory()
+        return ReadAdapter(name, src, digest, image, rank)
+
+    def add_adapter(self, read: ReadAdapter, *, pin: bool = False) -> LoRAStatus:
+        """Serve an adapter :meth:`read_adapter` read (on the thread that steps the engine).
+
+        Raises:
+            AdapterError: if it was read as unchanged but the name's weights changed since.
+            NoFreeSlotError: if ``pin`` and no slot can be given to it.
+        """
+        name = read.name
+        old = self.registry.get(name) if name in self.registry else None
+        if old is not None and old.digest == read.digest:
             if pin and not old.pinned:
                 self._check_pin(name)
                 old.pinned = True
                 self.activate_adapter(name)
             self.registry.keep(name)
             return LoRAStatus.UNCHANGED
-        image, rank, saved_base = self.reader.load(
-            name, src, self.layout, max_rank=self.config.max_rank, dtype=self.dtype
-        )
-        self._check_saved_base(name, saved_base)
+        if read.image is None:
+            raise AdapterError(f"adapter {name!r} changed while it was read; load it again")
         if pin:
             self._check_pin(name)
         if old is not None:
@@ -198,8 +241,8 @@ class LoRAManager:
                 self.registry.drop(name)
                 self.slots.evict(name)
                 self.host.pop(name)
-        self.registry.add(LoadedAdapter(name, src, digest, rank, pin))
-        self.host.put(name, image)
+        self.registry.add(LoadedAdapter(name, read.src, read.digest, read.rank, pin))
+        self.host.put(name, read.image)
         if pin:
             self.activate_adapter(name)
         return LoRAStatus.RELOADED if old is not None else LoRAStatus.LOADED
@@ -473,4 +516,5 @@ __all__ = [
     "LoRAStatus",
     "LoadedAdapter",
     "NoFreeSlotError",
+    "ReadAdapter",
 ]

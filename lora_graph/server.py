@@ -918,9 +918,11 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             )
         start = time.perf_counter()
         try:
-            status = await on_engine(
-                lambda: manager.load_adapter(body.lora_path, name=body.lora_name)
+            # the files are read on a worker thread: the engine keeps stepping meanwhile
+            read = await asyncio.to_thread(
+                manager.read_adapter, body.lora_path, name=body.lora_name
             )
+            status = await on_engine(lambda: manager.add_adapter(read))
         except (AdapterError, ValueError, OSError) as e:
             raise APIError(400, f"adapter {body.lora_name!r}: {e}") from e
         metrics.adapter_load.observe(time.perf_counter() - start)

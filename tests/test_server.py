@@ -285,6 +285,43 @@ def test_runtime_load_use_unload(served, client):
         client.completions.create(model="pirate2", prompt="hi", max_tokens=2)
 
 
+def test_streams_flow_while_an_adapter_is_read(served, monkeypatch):
+    """A runtime load reads its files off the engine thread: a stream in flight keeps
+    getting tokens while the read takes a second."""
+    manager = served.engine.pipeline.manager
+    read = manager.reader.load
+    reading = threading.Event()
+
+    def slow_read(*args, **kwargs):
+        reading.set()
+        time.sleep(1.0)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(manager.reader, "load", slow_read)
+    step = served.engine.step
+    monkeypatch.setattr(served.engine, "step", lambda: (time.sleep(0.01), step())[1])
+    body = {"model": "numbers", "prompt": PROMPTS[0], "max_tokens": 100, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    loader = threading.Thread(
+        target=httpx.post,
+        args=(served.url + "/v1/load_lora_adapter",),
+        kwargs=dict(
+            json={"lora_name": "pirate3", "lora_path": str(served.root / "pirate_copy")},
+            timeout=60,
+        ),
+    )
+    during = 0
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and not loader.is_alive() and not reading.is_set():
+                loader.start()
+            elif line.startswith("data:") and reading.is_set() and loader.is_alive():
+                during += 1
+    loader.join(30)
+    assert during >= 10, during  # tokens kept coming while the files were read
+    httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "pirate3"}, timeout=30)
+
+
 def test_runtime_load_refused_outside_root_or_when_off(served, tmp_path):
     outside = tmp_path / "outside"
     shutil.copytree(ASSETS / "adapters" / "shout", outside)
