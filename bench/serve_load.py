@@ -51,20 +51,21 @@ def _decode_module():
     return module
 
 
-def write_model(path: Path, shapes: dict, device: str) -> None:
-    """Random bf16 weights of ``shapes``, and a word-level tokenizer ``t0 .. t{vocab-1}``."""
+def make_model(path: Path, shapes: dict, device: str) -> tuple[dict, object]:
+    """A config of ``shapes`` at ``path``, random bf16 weights (in memory: an 8B checkpoint
+    is not written to disk), and a word-level tokenizer ``t0 .. t{vocab-1}``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     config = LlamaConfig(**{**shapes, "max_position_embeddings": 4096})
+    config.save_pretrained(path)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
+        weights = dict(LlamaForCausalLM(config).to(torch.bfloat16).state_dict())
     vocab = {f"t{i}": i for i in range(shapes["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    return weights, PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
 
 
 def percentiles(xs: list[float]) -> tuple[float, float]:
@@ -97,9 +98,10 @@ def main() -> None:
     import httpx
     import uvicorn
 
+    from lora_graph import LoRAConfig
     from lora_graph import server as S
-    from lora_graph.cli import build_engine
-    from lora_graph.engine import Request, SamplingParams
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+    from lora_graph.models import LlamaPipeline
 
     bench_decode = _decode_module()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -111,27 +113,31 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
     work = Path(tempfile.mkdtemp(prefix="lora_graph_load_"))
-    write_model(work / "base", shapes, device)
+    weights, tokenizer = make_model(work / "base", shapes, device)
     root = work / "adapters"
     names = [f"a{i}" for i in range(args.adapters + 1)]  # the last is loaded while running
     for i, name in enumerate(names):
         bench_decode.write_adapter(root / name, shapes, 16, seed=i)
     late, leaving = names[-1], names[-2]
     max_seq_len = args.prompt_len[1] + args.max_tokens + 1
-    engine, tokenizer = build_engine(
+    pipe = LlamaPipeline(
         str(work / "base"),
-        [f"{n}={root / n}" for n in names],
-        max_loras=args.max_loras,
-        max_lora_rank=16,
-        dtype="bfloat16" if cuda else "float32",
+        dtype=torch.bfloat16 if cuda else torch.float32,
         device=device,
         max_batch_size=64,
         max_seq_len=max_seq_len,
-        compile_mode="cudagraph" if cuda else "none",
         max_num_batched_tokens=512 if cuda else 64,
-        progress=False,
-        enable_lora=True,
+        weights=weights,
+        lora=LoRAConfig(max_slots=args.max_loras, max_rank=16, cpu_capacity=len(names)),
     )
+    del weights
+    for name in names:
+        pipe.manager.load_adapter(str(root / name), name=name)
+    if cuda:
+        t0 = time.perf_counter()
+        pipe.enable_compile("cudagraph", progress=False)
+        print(f"# captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    engine = LLMEngine(pipe)
 
     # the requests (the same every round) and their offline greedy outputs
     rng = random.Random(0)
@@ -299,17 +305,16 @@ def main() -> None:
             wrong=wrong[:10],
         )
 
-    rounds = [asyncio.run(round_(k + 1)) for k in range(args.rounds)]
-    srv.should_exit = True
-    thread.join(30)
-
     print(f"\n{args.requests} requests a round, {args.clients} clients, base + "
           f"{args.adapters} adapters through {args.max_loras} slots, {device}\n")  # fmt: skip
     print("| round | wall s | req/s | ok | refused | disconnected | wrong | lost | "
           "TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | RSS MB | device MB |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     failed = []
-    for r in rounds:
+    rounds = []
+    for k in range(args.rounds):  # each round's row as it ends
+        r = asyncio.run(round_(k + 1))
+        rounds.append(r)
         c = r["outcomes"]
         bad = sum(v for k, v in c.items() if k not in ("ok", "disconnected") and "refused" not in k)
         cells = [
@@ -319,9 +324,11 @@ def main() -> None:
             f"{r['ttft_p90_ms']:.0f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p90_ms']:.1f}",
             f"{r['rss_mb']:.0f}", f"{r['device_mb']:.0f}",
         ]  # fmt: skip
-        print("| " + " | ".join(str(x) for x in cells) + " |")
+        print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
         if bad or r["answers"] != len(plan):
             failed.append(f"round {r['round']}: outcomes {c}, answers {r['answers']}")
+    srv.should_exit = True
+    thread.join(30)
     if len(rounds) > 1:
         grew_rss = rounds[-1]["rss_mb"] - rounds[0]["rss_mb"]
         grew_dev = rounds[-1]["device_mb"] - rounds[0]["device_mb"]
