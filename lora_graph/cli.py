@@ -149,6 +149,26 @@ def build_engine(
     return LLMEngine(pipeline, eos_token_ids=_eos_ids(model_dir, hf_config)), tokenizer
 
 
+def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine, Any]:
+    """:func:`build_engine` with the engine options ``generate`` and ``serve`` share."""
+    return build_engine(
+        args.model,
+        args.lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        compile_mode=args.compile,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        progress=args.progress,
+        **extra,
+    )
+
+
 _FLAGS = ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "kv_cache_tokens",
           "gpu_memory_utilization")  # fmt: skip
 
@@ -372,21 +392,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     }:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
-    engine, tokenizer = build_engine(
-        args.model,
-        args.lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        dtype=args.dtype,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        compile_mode=args.compile,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        progress=args.progress,
-    )
+    engine, tokenizer = _engine_from_args(args)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -467,22 +473,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
             "use it",
             file=sys.stderr,
         )
-    engine, tokenizer = build_engine(
-        args.model,
-        args.lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        dtype=args.dtype,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        compile_mode=args.compile,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        progress=args.progress,
-        enable_lora=args.allow_runtime_lora,
-    )
+    engine, tokenizer = _engine_from_args(args, enable_lora=args.allow_runtime_lora)
     if tokenizer is None:
         raise CliError(f"--model {args.model!r}: no tokenizer found; the server needs one")
     config = server.ServerConfig(

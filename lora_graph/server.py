@@ -130,7 +130,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             return
         with contextlib.suppress(Exception):
-            self.call(self._abort_all).result(timeout)
+            self.call(self.abort_all).result(timeout)
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
@@ -169,9 +169,6 @@ class EngineLoop:
 
     def abort_all(self) -> None:
         """Abort every request in flight (engine thread only)."""
-        self._abort_all()
-
-    def _abort_all(self) -> None:
         for request_id in list(self._watchers):
             self.engine.abort_request(request_id)
         self._deliver_finished()
@@ -476,12 +473,11 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     if not HAVE_SERVER_DEPS:
         raise ImportError("the server needs: pip install 'lora_graph[serve]'")
     metrics = Metrics()
-    loop_holder: dict[str, EngineLoop] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = EngineLoop(engine, on_step=lambda: metrics.observe_engine(engine))
-        loop_holder["loop"] = app.state.engine_loop = loop
+        app.state.engine_loop = loop
         metrics.observe_engine(engine)
         loop.start()
         try:
@@ -497,7 +493,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     app.add_middleware(_Guard, config=config)
 
     def engine_loop() -> EngineLoop:
-        return loop_holder["loop"]
+        return app.state.engine_loop
 
     async def on_engine(fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(engine_loop().call(fn))
@@ -735,12 +731,14 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         kind = "chat.completion" if chat else "text_completion"
 
         def piece(index: int, text: str, finish: str | None, first: bool = False) -> dict:
+            out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
             if chat:
-                delta: dict[str, Any] = {"content": text} if text or not first else {}
+                out["delta"] = {"content": text}
                 if first:
-                    delta = {"role": "assistant", "content": text}
-                return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                    out["delta"]["role"] = "assistant"
+            else:
+                out["text"] = text
+            return out
 
         if not body.stream:
             try:
@@ -754,26 +752,10 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             except asyncio.CancelledError:
                 abort_all(choices)
                 raise
-            out_choices = []
-            for c in choices:
-                if chat:
-                    out_choices.append(
-                        {
-                            "index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "finish_reason": c.finish_reason,
-                            "logprobs": None,
-                        }
-                    )
-                else:
-                    out_choices.append(
-                        {
-                            "index": c.index,
-                            "text": c.text,
-                            "finish_reason": c.finish_reason,
-                            "logprobs": None,
-                        }
-                    )
+            out_choices = [piece(c.index, c.text, c.finish_reason) for c in choices]
+            if chat:  # a whole answer is a message, not a delta
+                for o in out_choices:
+                    o["message"] = {"role": "assistant", "content": o.pop("delta")["content"]}
             return JSONResponse(
                 {
                     "id": rid,
@@ -874,18 +856,17 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         manager = engine.pipeline.manager
         names = await on_engine(lambda: list(manager.loras) if manager is not None else [])
         created = int(time.time())
-        data = [{"id": config.model_name, "object": "model", "created": created,
-                 "owned_by": "lora_graph", "root": config.model_name, "parent": None}]  # fmt: skip
-        data += [
+        parents = {config.model_name: None, **dict.fromkeys(names, config.model_name)}
+        data = [
             {
                 "id": n,
                 "object": "model",
                 "created": created,
                 "owned_by": "lora_graph",
                 "root": n,
-                "parent": config.model_name,
+                "parent": parent,
             }  # fmt: skip
-            for n in names
+            for n, parent in parents.items()
         ]
         return {"object": "list", "data": data}
 

@@ -64,9 +64,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _group_table(lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots,
-                     G_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+                     G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, ALL_ROWS: tl.constexpr):
         """Per group (vectors of ``G_POW2``): slot, rows ``[lo, hi)`` (empty for slot 0, an
-        unknown slot, or padding), and its row tiles ``[first, last)`` in the tile sequence."""
+        unknown slot, or padding), and its row tiles ``[first, last)`` in the tile sequence.
+
+        With ``ALL_ROWS`` every row is covered: groups of slot 0 or an unknown slot keep their
+        rows under slot 0, and one more group ``G`` holds the rows from ``end`` to ``N``
+        (``G_POW2`` must exceed ``G``)."""
         gs = tl.arange(0, G_POW2)
         in_g = gs < G
         slot = tl.load(lora_ids_ptr + gs, mask=in_g, other=0).to(tl.int32)
@@ -78,7 +82,16 @@ if HAVE_TRITON:
         lo = tl.where(gs == 0, 0, lo)
         hi = tl.where(gs == G - 1, end, tl.minimum(hi, end))
         hi = tl.minimum(hi, N)
-        valid = in_g & (slot > 0) & (slot < num_slots) & (hi > lo)
+        known = (slot > 0) & (slot < num_slots)
+        if ALL_ROWS:
+            tail = gs == G  # the rows after end: no delta
+            end_n = tl.minimum(end, N)
+            lo = tl.where(tail, end_n, tl.minimum(lo, end_n))
+            hi = tl.where(tail, N, hi)
+            slot = tl.where(in_g & known, slot, 0)
+            valid = (in_g | tail) & (hi > lo)
+        else:
+            valid = in_g & known & (hi > lo)
         hi = tl.where(valid, hi, lo)
         ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
         last = tl.cumsum(ntiles, 0)
@@ -159,7 +172,7 @@ if HAVE_TRITON:
         program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
-            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, False)
         per_tile: tl.constexpr = ((SR + BLOCK_N - 1) // BLOCK_N) * SPLIT_K
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             tile = item // per_tile
@@ -243,7 +256,7 @@ if HAVE_TRITON:
         pipelined loop (prefill: a long run streams ``y`` with its loads in flight).
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
-            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M)
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, False)
         runs: tl.constexpr = (N_COL_BLOCKS + BLOCKS_PER_ITEM - 1) // BLOCKS_PER_ITEM
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             tile = item // runs
@@ -282,22 +295,8 @@ if HAVE_TRITON:
         ``h`` once and walks column blocks ``j * BLOCKS_PER_PROGRAM ...`` in a pipelined loop.
         """
         tile = tl.program_id(0)
-        gs = tl.arange(0, G_POW2)
-        in_g = gs < G
-        tail = gs == G  # the rows after end: no delta
-        slot_v = tl.load(lora_ids_ptr + gs, mask=in_g, other=0).to(tl.int32)
-        lo_v = tl.load(offsets_ptr + gs, mask=in_g, other=0).to(tl.int32)
-        hi_v = tl.load(offsets_ptr + gs + 1, mask=in_g, other=0).to(tl.int32)
-        end = tl.minimum(tl.load(end_ptr).to(tl.int32), N)
-        lo_v = tl.where(gs == 0, 0, lo_v)
-        hi_v = tl.where(gs == G - 1, end, tl.minimum(hi_v, end))
-        lo_v = tl.where(tail, end, tl.minimum(lo_v, end))
-        hi_v = tl.where(tail, N, hi_v)
-        slot_v = tl.where(in_g & (slot_v > 0) & (slot_v < num_slots), slot_v, 0)
-        hi_v = tl.where((in_g | tail) & (hi_v > lo_v), hi_v, lo_v)
-        ntiles = (hi_v - lo_v + BLOCK_M - 1) // BLOCK_M
-        last_v = tl.cumsum(ntiles, 0)
-        first_v = last_v - ntiles
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, True)
         slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
         if row0 < hi:
             offs_m = row0 + tl.arange(0, BLOCK_M)

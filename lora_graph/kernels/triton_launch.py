@@ -135,6 +135,12 @@ def launch_shrink(
         # fmt: on
 
 
+def _run_length(tiles: int, n_blocks: int, device: torch.device) -> int:
+    """Column blocks a program walks so that about four programs a SM cover ``tiles`` row
+    tiles of ``n_blocks`` blocks (at least one, at most all)."""
+    return max(1, min(n_blocks, cdiv(tiles * n_blocks, 4 * device_sms(device))))
+
+
 def launch_expand(
     y: Tensor,
     h: Tensor,
@@ -170,9 +176,7 @@ def launch_expand(
     blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), cfg.block_n)
     tiles = num_tiles(n, g, cfg.block_m)
     per_item = cfg.blocks_per_item or (
-        1
-        if cfg.max_programs  # decode: a capped grid of one-block items
-        else max(1, min(n_blocks, cdiv(tiles * n_blocks, 4 * device_sms(y.device))))
+        1 if cfg.max_programs else _run_length(tiles, n_blocks, y.device)  # decode: 1 block
     )
     n_items = tiles * cdiv(n_blocks, per_item)
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
@@ -237,8 +241,9 @@ def launch_expand_silu_mul(
     n_blocks = cdiv(i, cfg.block_n)
     tiles = num_tiles(n, g + 1, cfg.block_m)  # the rows after end: one more group
     # a run of column blocks a program, so that about 4 programs a SM cover the step
-    per_program = blocks_per_program or cdiv(tiles * n_blocks, 4 * device_sms(y.device))
-    per_program = max(1, min(n_blocks, per_program))
+    per_program = max(
+        1, min(n_blocks, blocks_per_program or _run_length(tiles, n_blocks, y.device))
+    )
     grid = (tiles, cdiv(n_blocks, per_program))
     with _device_guard(y):
         # fmt: off
