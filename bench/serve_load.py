@@ -13,7 +13,8 @@ output depends on the batch it ran in (a GEMM over other rows rounds differently
 weights give many near ties), so an answer that differs from the offline one is checked
 token by token instead: the prompt and the answer are run teacher-forced, and every token
 of the answer must be within ``--tie-tolerance`` logits of that position's best (the same
-check run on the offline answers measures the noise). After each round the
+check run on the offline answers measures the noise; an answer with a changed token, or
+run under another adapter or the base model, must fail it). After each round the
 server must be idle with every KV page back, and its resident and device memory must not
 grow from one round to the next.
 
@@ -88,12 +89,12 @@ def greedy_deficits(pipe, adapter: str | None, prompt: list[int], out: list[int]
             for s in range(0, len(seq), pipe.max_num_batched_tokens):
                 chunk = SeqChunk(adapter, seq[s : s + pipe.max_num_batched_tokens], s, pages)
                 inputs = pipe.prepare([chunk], all_logits=True)
-                logits.append(pipe.execute(inputs).float().cpu())
+                logits.append(pipe.execute(inputs).float())
+        rows = torch.cat(logits)[len(prompt) - 1 :]
+        chosen = rows.gather(1, torch.tensor(out, device=rows.device)[:, None])[:, 0]
+        return float((rows.max(1).values - chosen).max())
     finally:
         pipe.pages.free(pages)
-    rows = torch.cat(logits)[len(prompt) - 1 :]
-    chosen = rows.gather(1, torch.tensor(out)[:, None])[:, 0]
-    return float((rows.max(1).values - chosen).max())
 
 
 def percentiles(xs: list[float]) -> tuple[float, float]:
@@ -121,8 +122,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument(
         "--tie-tolerance", type=float, default=None,
-        help="logits an answer's token may be below the best one, teacher-forced (default 0.1 "
-        "in bfloat16, 1e-3 in float32)",
+        help="logits an answer's token may be below the best one, teacher-forced (default 1.0 "
+        "in bfloat16: the offline answers measured up to 0.34 off on the H200, a changed "
+        "token ~3.6; 1e-3 in float32)",
     )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default=None, help="write the results here")
@@ -143,7 +145,7 @@ def main() -> None:
     defaults = dict(requests=(500, 60), clients=(64, 16), max_tokens=(64, 6),
                     prompt_len=((32, 512), (3, 20)))  # fmt: skip
     if args.tie_tolerance is None:
-        args.tie_tolerance = 0.1 if cuda else 1e-3
+        args.tie_tolerance = 1.0 if cuda else 1e-3
     for name, (full, smoke) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, smoke if args.smoke else full)
@@ -298,7 +300,6 @@ def main() -> None:
             # back as they were, for the next round
             await asyncio.gather(admin(client, "unload", late), admin(client, "load", leaving))
         counts: dict[str, int] = {}
-        wrong = []
         ttft, itl = [], []
         for i, adapter, _, _ in plan:
             outcome, text, timing = results.get(i, ("lost", "", None))
@@ -330,51 +331,6 @@ def main() -> None:
             rss_mb=rss_mb(),
             device_mb=torch.cuda.memory_allocated() / 2**20 if cuda else 0.0,
         )
-        # answers that differ from the offline ones: teacher-forced on the engine thread (the
-        # server is idle), with the adapter loaded midway loaded again for the check
-        differs = [
-            i for i, *_ in plan if results.get(i, ("",))[0] == "ok" and results[i][1] != refs[i]
-        ]
-        answers_ids = {
-            i: tokenizer(results[i][1], add_special_tokens=False)["input_ids"] for i in differs
-        }
-        exact = [i for i, *_ in plan if results.get(i, ("",))[0] == "ok" and i not in answers_ids]
-        by_index = {i: (adapter, ids) for i, adapter, ids, _ in plan}
-
-        def verify():
-            manager = engine.pipeline.manager
-            manager.load_adapter(str(root / late), name=late)
-            try:
-                got = {}
-                for i in differs:
-                    adapter, ids = by_index[i]
-                    out = answers_ids[i]
-                    got[i] = (
-                        greedy_deficits(engine.pipeline, adapter, ids, out)
-                        if len(out) == args.max_tokens
-                        else float("inf")
-                    )
-                noise = [
-                    greedy_deficits(engine.pipeline, by_index[i][0], by_index[i][1], ref_ids[i])
-                    for i in differs[:16] + exact[:8]
-                ]
-                # the check can fail: an answer with its last token changed is far off
-                i = (exact + differs)[0]
-                changed = [*ref_ids[i][:-1], (ref_ids[i][-1] + 1) % shapes["vocab_size"]]
-                control = greedy_deficits(engine.pipeline, *by_index[i], changed)
-                return got, noise, control
-            finally:
-                manager.unload_adapter(late)
-
-        deficits, noise, control = app.state.engine_loop.call(verify).result()
-        near_ties = [d for d in deficits.values() if d <= args.tie_tolerance]
-        wrong = sorted(i for i, d in deficits.items() if d > args.tie_tolerance)
-        counts.pop("differs", None)
-        counts["ok"] = counts.get("ok", 0)
-        if near_ties:
-            counts["ok (near tie)"] = len(near_ties)
-        if wrong:
-            counts["wrong"] = len(wrong)
         return dict(
             round=k,
             wall_s=wall,
@@ -386,11 +342,7 @@ def main() -> None:
             itl_p50_ms=percentiles(itl)[0] * 1e3,
             itl_p90_ms=percentiles(itl)[1] * 1e3,
             **memory,
-            wrong=wrong[:10],
-            exact=counts["ok"],
-            near_tie_max=max(near_ties, default=0.0),
-            offline_noise_max=max(noise, default=0.0),
-            changed_token_deficit=control,
+            answers_text={i: v[1] for i, v in results.items() if v[0] == "ok"},
         )
 
     print(f"\n{args.requests} requests a round, {args.clients} clients, base + "
@@ -398,42 +350,89 @@ def main() -> None:
     header = ["round", "wall s", "req/s", "ok: exact", "ok: near tie", "refused", "disconnected",
               "wrong", "lost", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "RSS MB",
               "device MB"]  # fmt: skip
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---:|" * len(header), flush=True)
+    print("(rounds running; the table comes once their answers are checked)", flush=True)
     failed = []
     rounds = []
-    for k in range(args.rounds):  # each round's row as it ends
-        r = asyncio.run(round_(k + 1))
-        rounds.append(r)
+    for k in range(args.rounds):
+        rounds.append(asyncio.run(round_(k + 1)))
+        r = rounds[-1]
+        print(f"# round {k + 1}: {r['wall_s']:.2f} s, outcomes {r['outcomes']}", flush=True)
+
+    # Answers that differ from the offline ones, teacher-forced on the engine thread once every
+    # round is over (the eager passes must not count in the rounds' memory), with the adapter
+    # loaded midway loaded again for the check.
+    by_index = {i: (adapter, ids) for i, adapter, ids, _ in plan}
+    to_check = {
+        (i, text) for r in rounds for i, text in r["answers_text"].items() if text != refs[i]
+    }
+    exact = sorted({i for r in rounds for i, text in r["answers_text"].items() if text == refs[i]})
+
+    def verify():
+        manager = engine.pipeline.manager
+        manager.load_adapter(str(root / late), name=late)
+        try:
+            got = {}
+            for i, text in to_check:
+                out = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ok_len = len(out) == args.max_tokens
+                got[i, text] = (
+                    greedy_deficits(engine.pipeline, *by_index[i], out) if ok_len else float("inf")
+                )
+            sample = sorted({i for i, _ in to_check})[:16] + exact[:8]
+            noise = [greedy_deficits(engine.pipeline, *by_index[i], ref_ids[i]) for i in sample]
+            # the check can fail: an answer with its last token changed, or run under another
+            # adapter than its own, is far off
+            i = next(i for i in sample if by_index[i][0] is not None)
+            adapter, ids = by_index[i]
+            changed = [*ref_ids[i][:-1], (ref_ids[i][-1] + 1) % shapes["vocab_size"]]
+            other = names[0] if adapter != names[0] else names[1]
+            controls = dict(
+                changed_token=greedy_deficits(engine.pipeline, adapter, ids, changed),
+                other_adapter=greedy_deficits(engine.pipeline, other, ids, ref_ids[i]),
+                base_model=greedy_deficits(engine.pipeline, None, ids, ref_ids[i]),
+            )
+            return got, noise, controls
+        finally:
+            manager.unload_adapter(late)
+
+    deficits, noise, controls = app.state.engine_loop.call(verify).result()
+    for r in rounds:
+        counts = r["outcomes"]
+        mine = [deficits[i, t] for i, t in r.pop("answers_text").items() if t != refs[i]]
+        counts.pop("differs", None)
+        near = [d for d in mine if d <= args.tie_tolerance]
+        r.update(
+            near_tie_max=max(near, default=0.0),
+            wrong_deficits=sorted(d for d in mine if d > args.tie_tolerance)[:10],
+        )
+        counts["ok (near tie)"] = len(near)
+        counts["wrong"] = len(mine) - len(near)
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---:|" * len(header))
+    for r in rounds:
         c = r["outcomes"]
         bad = sum(v for k, v in c.items() if not k.startswith(("ok", "disconnected", "refused")))
         cells = [
             r["round"], f"{r['wall_s']:.2f}", f"{r['requests_per_s']:.1f}", c.get("ok", 0),
-            c.get("ok (near tie)", 0),
-            c.get("refused (adapter not loaded)", 0), c.get("disconnected", 0),
-            c.get("wrong", 0), bad - c.get("wrong", 0), f"{r['ttft_p50_ms']:.0f}",
+            c["ok (near tie)"], c.get("refused (adapter not loaded)", 0),
+            c.get("disconnected", 0), c["wrong"], bad - c["wrong"], f"{r['ttft_p50_ms']:.0f}",
             f"{r['ttft_p90_ms']:.0f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p90_ms']:.1f}",
             f"{r['rss_mb']:.0f}", f"{r['device_mb']:.0f}",
         ]  # fmt: skip
-        print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
+        print("| " + " | ".join(str(x) for x in cells) + " |")
         if bad or r["answers"] != len(plan):
             failed.append(f"round {r['round']}: outcomes {c}, answers {r['answers']}")
-        if r["offline_noise_max"] > args.tie_tolerance:
-            failed.append(
-                f"round {r['round']}: the offline answers themselves are up to "
-                f"{r['offline_noise_max']:.3f} logits off teacher-forced, over --tie-tolerance"
-            )
-        if r["changed_token_deficit"] <= args.tie_tolerance:
-            failed.append(
-                f"round {r['round']}: an answer with a changed token passes the check "
-                f"({r['changed_token_deficit']:.3g} logits off): it cannot tell"
-            )
-    for r in rounds:
-        print(
-            f"round {r['round']}: near ties up to {r['near_tie_max']:.3f} logits below the best; "
-            f"the offline answers, teacher-forced, up to {r['offline_noise_max']:.3f}; "
-            f"an answer with its last token changed: {r['changed_token_deficit']:.3f}"
-        )
+    near_max = max(r["near_tie_max"] for r in rounds)
+    print(
+        f"\nteacher-forced, logits below the best (tolerance {args.tie_tolerance}): near ties up "
+        f"to {near_max:.3f}; the offline answers themselves up to {max(noise):.3f}; "
+        + "; ".join(f"control {k.replace('_', ' ')}: {v:.3f}" for k, v in controls.items())
+    )
+    if max(noise) > args.tie_tolerance:
+        failed.append(f"the offline answers are up to {max(noise):.3f} logits off: over tolerance")
+    for name, value in controls.items():
+        if value <= args.tie_tolerance:
+            failed.append(f"control {name} passes the check ({value:.3g} logits): it cannot tell")
     srv.should_exit = True
     thread.join(30)
     if len(rounds) > 1:
@@ -445,7 +444,8 @@ def main() -> None:
             failed.append(f"memory grew: resident {grew_rss:+.0f} MB, device {grew_dev:+.0f} MB")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), rounds=rounds), indent=1))
+        result = dict(args=vars(args), rounds=rounds, offline_noise=noise, controls=controls)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if failed:
         sys.exit("FAILED: " + "; ".join(failed))
 
