@@ -23,11 +23,11 @@ python3 -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 for stage in "$@"; do
   case $stage in
     tests)
-      python3 -m pytest -q -rs -m "gpu or compile" -k "not cpu-inductor" -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+      python3 -m pytest -rs -m "gpu or compile" -k "not cpu-inductor" -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     quick)  # the captured packed step and parity on CUDA
-      python3 -m pytest -q -rs -m "gpu or compile" -k "cuda or gpu" -p no:cacheprovider tests/test_compile.py tests/test_parity.py tests/test_generation.py 2>&1 | tee "$OUT/gpu_quick.log" | tail -8 ;;
+      python3 -m pytest -rs -m "gpu or compile" -k "cuda or gpu" -p no:cacheprovider tests/test_compile.py tests/test_parity.py tests/test_generation.py 2>&1 | tee "$OUT/gpu_quick.log" | tail -8 ;;
     parity)
-      python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.log" | tail -8 ;;
+      python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.log" | tail -8 ;;
     kernels)
       python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     decode)
@@ -50,7 +50,7 @@ for stage in "$@"; do
     serveload)
       python3 -m pip install -q --no-index --find-links bench/out/wheels fastapi uvicorn \
         prometheus_client openai httpx 2>&1 | tail -2
-      python3 -m pytest -q -rs -p no:cacheprovider tests/test_server.py -k gpu 2>&1 | tail -3
+      python3 -m pytest -rs -p no:cacheprovider tests/test_server.py -k gpu 2>&1 | tail -3
       python3 bench/serve_load.py --json "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" \
         | grep -v Warning | tail -10 ;;
     precision)
