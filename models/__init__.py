@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline
 
-PIPELINES = {"llama": LlamaPipeline, "mistral": LlamaPipeline, "qwen2": LlamaPipeline}
+PIPELINES = {
+    "llama": LlamaPipeline,
+    "mistral": LlamaPipeline,
+    "qwen2": LlamaPipeline,
+    "qwen3": LlamaPipeline,
+}
 
 
 def pipeline_class(model_type: str) -> type[LlamaPipeline]:

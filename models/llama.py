@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) as plain modules over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as plain modules over a paged KV cache.
 
 One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
 with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a paged KV cache
@@ -52,6 +52,8 @@ class LlamaConfig:
     sliding_window: int | None = None
     # per layer: "full_attention" or "sliding_attention" (transformers' layer_types)
     layer_types: tuple[str, ...] = ()
+    # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
+    qk_norm: bool = False
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -69,14 +71,18 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> LlamaConfig:
-        """Read a ``transformers`` config of model type llama, mistral or qwen2.
+        """Read a ``transformers`` config of model type llama, mistral, qwen2 or qwen3.
+
+        Qwen2 always has q/k/v biases (and no o bias); the others follow
+        ``attention_bias``. Qwen3 adds the per-head q/k norms (``Qwen3Attention``).
 
         Raises:
-            ValueError: for another model type, or a RoPE scaling type not supported.
+            ValueError: for another model type, or a RoPE scaling type or attention
+                variant not supported.
         """
         model_type = getattr(hf, "model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model type {model_type!r} (llama, mistral, qwen2)")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model type {model_type!r} ({', '.join(MODEL_TYPES)})")
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
         scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
@@ -92,11 +98,12 @@ class LlamaConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         bias = bool(getattr(hf, "attention_bias", False))
         window = getattr(hf, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+        qwen = model_type in ("qwen2", "qwen3")
+        if qwen and not getattr(hf, "use_sliding_window", False):
             window = None
         layer_types = tuple(getattr(hf, "layer_types", None) or ())
         n = hf.num_hidden_layers
-        if not layer_types and model_type == "qwen2" and window is not None:
+        if not layer_types and qwen and window is not None:
             # transformers 4's Qwen2 rule: layers from max_window_layers on slide
             first = getattr(hf, "max_window_layers", n)
             layer_types = tuple(
@@ -131,7 +138,12 @@ class LlamaConfig:
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
             layer_types=layer_types,
+            qk_norm=model_type == "qwen3",
         )
+
+
+# the Hugging Face model types this family reads
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def rope_inv_freq(config: LlamaConfig) -> Tensor:
@@ -228,6 +240,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.kv_cache = kv_cache
         self.scale = config.head_dim**-0.5
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
@@ -239,6 +254,8 @@ class Attention(nn.Module):
         q = q.view(n, c.num_attention_heads, c.head_dim)
         k = k.view(n, c.num_key_value_heads, c.head_dim)
         v = v.view(n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None], sin[:, None]
         q = (q * cos + rotate_half(q) * sin).to(x.dtype)
         k = (k * cos + rotate_half(k) * sin).to(x.dtype)
@@ -433,7 +450,8 @@ _FUSED = {
 
 
 def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename a Hugging Face Llama/Mistral/Qwen2 state dict to :class:`LlamaModel`'s names.
+    """Rename a Hugging Face Llama/Mistral/Qwen2/Qwen3 state dict to :class:`LlamaModel`'s
+    names.
 
     Drops the ``model.`` prefix and concatenates q/k/v into ``qkv_proj`` and gate/up into
     ``gate_up_proj`` (weights and biases), in slice order.
@@ -456,7 +474,7 @@ def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 class LlamaPipeline(PipelineModelWithKVCache):
-    """Llama 2/3, Mistral and Qwen2 checkpoints in Hugging Face format."""
+    """Llama 2/3, Mistral, Qwen2 and Qwen3 checkpoints in Hugging Face format."""
 
     def _create_model_config(self, hf_config: Any) -> LlamaConfig:
         return LlamaConfig.from_hf(hf_config)

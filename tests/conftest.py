@@ -85,6 +85,21 @@ def make_hf_model(kind: str, seed: int = 0):
                 ):
                     proj.bias.normal_(0, 0.5)
         return model
+    if kind == "qwen3":
+        # per-head q/k norms (random weights, so a norm not loaded shows), attention biases,
+        # and a head_dim that is not hidden / heads
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(**common, num_key_value_heads=2, head_dim=32, attention_bias=True)
+        model = Qwen3ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                attn.q_norm.weight.normal_(1, 0.5)
+                attn.k_norm.weight.normal_(1, 0.5)
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    proj.bias.normal_(0, 0.5)
+        return model
     extra = {
         "gqa": dict(num_key_value_heads=2),
         "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
@@ -216,10 +231,12 @@ def make_pipeline(
     slot_dtype: torch.dtype | None = None,
     **pipeline_kwargs,
 ):
-    from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from transformers import AutoConfig
 
-    pipe = LlamaPipeline(
+    from lora_graph import LoRAConfig
+    from lora_graph.models import pipeline_class
+
+    pipe = pipeline_class(AutoConfig.from_pretrained(t.base).model_type)(
         str(t.base),
         dtype=dtype,
         device=device,
@@ -239,3 +256,26 @@ def prompts(
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g)
     return [torch.randint(3, vocab, (int(n_),), generator=g).tolist() for n_ in lengths]
+
+
+def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
+    """All-position logits of one packed prefill step; item i of the result is request i.
+    Each request's pages are taken from the pipeline's pool and given back after."""
+    from lora_graph.step import SeqChunk
+
+    chunks = []
+    for i, (ids, adapter) in enumerate(zip(batch, adapters, strict=True)):
+        pages = pipe.pages.allocate(pipe.pages.pages_for(len(ids)))
+        chunks.append(SeqChunk(adapter, ids, 0, pages, owner=i))
+    try:
+        inputs = pipe.prepare(chunks, all_logits=True)
+        logits = pipe.execute(inputs)
+    finally:
+        for c in chunks:
+            pipe.pages.free(c.pages)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
+    at = 0
+    for c in inputs.chunks:
+        out[c.owner] = logits[at : at + len(c.token_ids)]
+        at += len(c.token_ids)
+    return out

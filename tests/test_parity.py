@@ -4,34 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_pipeline, prompts
+from conftest import make_pipeline, prompts, run_prefill
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
-from lora_graph.step import SeqChunk
 
 MIX = ["A", None, "B", "A", None, "C", "D"]
-
-
-def run_prefill(pipe, batch: list[list[int]], adapters: list[str | None]) -> list[torch.Tensor]:
-    """All-position logits of one packed prefill step; item i of the result is request i.
-    Each request's pages are taken from the pipeline's pool and given back after."""
-    chunks = []
-    for i, (ids, adapter) in enumerate(zip(batch, adapters, strict=True)):
-        pages = pipe.pages.allocate(pipe.pages.pages_for(len(ids)))
-        chunks.append(SeqChunk(adapter, ids, 0, pages, owner=i))
-    try:
-        inputs = pipe.prepare(chunks, all_logits=True)
-        logits = pipe.execute(inputs)
-    finally:
-        for c in chunks:
-            pipe.pages.free(c.pages)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(batch)
-    at = 0
-    for c in inputs.chunks:
-        out[c.owner] = logits[at : at + len(c.token_ids)]
-        at += len(c.token_ids)
-    return out
 
 
 @pytest.mark.parametrize("kind", ["gqa", "tied", "qwen2", "qwen2_window", "llama3"])

@@ -170,11 +170,11 @@ def test_active_adapters_by_slot_and_adapter_info(tiny):
 
 
 def test_attention_types_read_per_layer_and_unknown_ones_refused():
-    """transformers' ``layer_types`` decide which layers slide (Qwen2: from
+    """transformers' ``layer_types`` decide which layers slide (Qwen2 and Qwen3: from
     ``max_window_layers`` on; Mistral: every layer); a type this model does not implement is
     refused at start-up."""
     from transformers import LlamaConfig as HFLlama
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
     from lora_graph.models import LlamaConfig
 
@@ -188,6 +188,11 @@ def test_attention_types_read_per_layer_and_unknown_ones_refused():
     )  # use_sliding_window off
     mistral = LlamaConfig.from_hf(MistralConfig(**small, sliding_window=8))
     assert [mistral.window(i) for i in range(3)] == [8, 8, 8]
+    qwen3 = LlamaConfig.from_hf(
+        Qwen3Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    )
+    assert [qwen3.window(i) for i in range(3)] == [None, 8, 8] and qwen3.qk_norm
+    assert not qwen3.qkv_bias and not qwen.qk_norm and qwen.qkv_bias
     odd = HFLlama(**small)
     odd.layer_types = ["full_attention", "chunked_attention", "full_attention"]
     with pytest.raises(ValueError, match="unsupported attention: layer_types"):
