@@ -10,10 +10,12 @@ sits at absolute position ``p = L - q_len + i`` and attends the keys ``j`` in ``
 with ``j <= p`` (causal) and, when ``window > 0``, ``p - j < window`` (a sliding window of
 ``w`` keeps the last ``w`` positions including ``p``, as transformers' Mistral / Qwen2)::
 
-    out[row, h] = softmax_j(scale * q[row, h] . K[j, h // G]) @ V[·, h // G]
+    out[row, h] = softmax_j(cap(scale * q[row, h] . K[j, h // G])) @ V[·, h // G]
 
-softmax in float32, ``G = Hq // Hkv`` query heads per kv head (grouped-query attention).
-Rows at or after ``query_start[S]`` belong to no sequence and are exactly 0.
+where ``cap(x) = softcap * tanh(x / softcap)`` with a ``softcap > 0`` (Gemma 2's attention
+logit soft-capping) and ``cap(x) = x`` otherwise; softmax in float32, ``G = Hq // Hkv``
+query heads per kv head (grouped-query attention). Rows at or after ``query_start[S]``
+belong to no sequence and are exactly 0.
 
 The KV cache layout is vLLM's paged cache (PagedAttention, Kwon et al. 2023,
 "Efficient Memory Management for Large Language Model Serving with PagedAttention"):
@@ -94,10 +96,12 @@ def paged_attention_reference(
     query_start: Tensor,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> Tensor:
     """:func:`paged_attention` in plain torch: a Python loop over sequences, each gathering
     its pages into contiguous ``[L, Hkv, D]`` K and V and running float32
-    ``F.scaled_dot_product_attention`` with an explicit boolean causal(+window) mask.
+    ``F.scaled_dot_product_attention`` with an explicit boolean causal(+window) mask (with
+    a soft cap: the scores, capped, softmax and the product written out).
     Reads the metadata on the host (one sync); also checks its values.
 
     Raises:
@@ -131,14 +135,22 @@ def paged_attention_reference(
         allowed = key <= pos  # [q_len, L]
         if window > 0:
             allowed &= pos - key < window
-        o = F.scaled_dot_product_attention(
-            q[q0:q1].float().transpose(0, 1),  # [Hq, q_len, D]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=allowed,
-            scale=scale,
-            enable_gqa=hq != hkv,
-        )
+        qs = q[q0:q1].float().transpose(0, 1)  # [Hq, q_len, D]
+        if softcap > 0:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+            scores = qs @ k.permute(1, 2, 0) * scale  # [Hq, q_len, L]
+            scores = softcap * torch.tanh(scores / softcap)
+            o = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(0, 1)
+        else:
+            o = F.scaled_dot_product_attention(
+                qs,
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=hq != hkv,
+            )
         out[q0:q1] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -153,6 +165,7 @@ def paged_attention(
     query_start: Tensor,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Paged attention of a packed step (module docstring for the semantics).
 
@@ -167,24 +180,25 @@ def paged_attention(
             ``query_start[S] <= N``: sequence ``s`` owns rows ``query_start[s]:[s + 1]``.
         scale: the softmax scale (usually ``D ** -0.5``).
         window: sliding window in positions (0: full causal attention).
+        softcap: the attention logits' soft cap (0: none).
 
     Returns:
         ``[N, Hq, D]`` in ``q``'s dtype; rows from ``query_start[S]`` on are 0.
     """
     return paged_attention_reference(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window
+        q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap
     )
 
 
 @paged_attention.register_kernel("cuda")
-def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window):
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap=0.0):
     impl = _triton()
     fn = impl.paged_attention if impl is not None else paged_attention_reference
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window):
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap=0.0):
     check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start)
     return torch.empty_like(q)
 

@@ -585,7 +585,7 @@ class AdapterReader:
                 continue
             target = self.targets[ref.target]
             try:
-                slice_idx = target.slice_index(ref.shard_id)
+                slices = target.module_slices(ref.shard_id)
             except KeyError:
                 unmapped.append(module)
                 continue
@@ -609,7 +609,7 @@ class AdapterReader:
                 )
                 continue
             expected_a = (rank, target.in_features)
-            expected_b = (target.out_slices[slice_idx], rank)
+            expected_b = (sum(target.out_slices[s] for s in slices), rank)
             if (
                 len(a_shape) != 2
                 or len(b_shape) != 2
@@ -714,15 +714,19 @@ class AdapterReader:
         image = torch.zeros(layout.numel, dtype=dtype)
         for m in modules:
             target = self.targets[m.ref.target]
-            s = target.slice_index(m.ref.shard_id)
-            start, size = target.slice_rows(s)
             a = layout.a_view(image, m.ref.target, m.ref.layer)
             b = layout.b_view(image, m.ref.target, m.ref.layer)
+            a_t, b_t = tensors[m.a_key].float(), tensors[m.b_key].float() * m.scale
             if target.kind == "embedding":  # stored transposed: [vocab, max_rank]
-                a[:, : m.rank].copy_(tensors[m.a_key].float().T)
-            else:
-                a[s, : m.rank].copy_(tensors[m.a_key].float())
-            b[start : start + size, : m.rank].copy_(tensors[m.b_key].float() * m.scale)
+                a[:, : m.rank].copy_(a_t.T)
+                b[:, : m.rank].copy_(b_t)
+                continue
+            row = 0  # a packed module: each slice takes its A and its rows of B
+            for s in target.module_slices(m.ref.shard_id):
+                start, size = target.slice_rows(s)
+                a[s, : m.rank].copy_(a_t)
+                b[start : start + size, : m.rank].copy_(b_t[row : row + size])
+                row += size
         saved_base = {
             ref: tensors[key]
             for key in tensors

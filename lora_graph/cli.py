@@ -584,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--model",
         required=True,
-        help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2, Qwen3)",
+        help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2, Qwen3, Phi-3)",
     )
     engine.add_argument(
         "--lora",

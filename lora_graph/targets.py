@@ -33,6 +33,11 @@ class LoraTarget:
     target exists on (None: all; a target outside the layer stack, as an embedding or LM
     head, names ``(0,)``).
 
+    ``slice_packs`` names checkpoint modules that pack several slices into one tensor, as
+    ``(module name, (slice name, ...))``: Phi-3's fused ``qkv_proj`` is ``[q | k | v]``.
+    Such a module has one A, which each of its slices takes, and a B whose rows are those
+    slices' in order (``B @ A`` is then exactly the packed module's delta).
+
     ``kind="embedding"`` is a token embedding: ``in_features`` is the vocabulary, a row's
     input is its token id, and the shrink gathers A's column for it (``x @ A.T`` of the
     token's one-hot), as PEFT's ``lora_embedding_A`` ``[r, vocab]`` and
@@ -48,6 +53,7 @@ class LoraTarget:
     parallel: Literal["column", "row", "none"] = "column"
     slice_names: tuple[str | int, ...] = ()
     slice_units: tuple[int, ...] | None = None
+    slice_packs: tuple[tuple[str | int, tuple[str | int, ...]], ...] | None = None
     layers: tuple[int, ...] | None = None
     kind: Literal["linear", "embedding"] = "linear"
     per_segment: bool = False
@@ -61,6 +67,10 @@ class LoraTarget:
             )
         if self.kind == "embedding" and (self.num_slices != 1 or self.per_segment):
             raise ValueError("an embedding target has one slice and is routed per token")
+        for pack, members in self.slice_packs or ():
+            if not members or any(m not in self.slice_names for m in members):
+                raise ValueError(f"slice pack {pack!r} names slices {members} not all in "
+                                 f"slice_names {self.slice_names}")  # fmt: skip
 
     @property
     def num_slices(self) -> int:
@@ -87,6 +97,18 @@ class LoraTarget:
         if isinstance(shard_id, int) and 0 <= shard_id < self.num_slices:
             return shard_id
         raise KeyError(f"no slice {shard_id!r} in {self.slice_names}")
+
+    def module_slices(self, shard_id: str | int | None) -> tuple[int, ...]:
+        """The slices a checkpoint module lands on, in the order its B's rows hold them:
+        several for a ``slice_packs`` name, else the one :meth:`slice_index` gives.
+
+        Raises:
+            KeyError: if ``shard_id`` names no slice or pack of this target.
+        """
+        for pack, members in self.slice_packs or ():
+            if shard_id == pack:
+                return tuple(self.slice_names.index(m) for m in members)
+        return (self.slice_index(shard_id),)
 
     def slice_rows(self, slice_idx: int) -> tuple[int, int]:
         """``(start, size)`` of slice ``slice_idx``'s rows in the fused output."""

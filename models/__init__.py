@@ -9,6 +9,7 @@ PIPELINES = {
     "mistral": LlamaPipeline,
     "qwen2": LlamaPipeline,
     "qwen3": LlamaPipeline,
+    "phi3": LlamaPipeline,
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as plain modules over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) as plain modules over a paged
+KV cache.
 
 One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
 with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a paged KV cache
@@ -54,6 +55,9 @@ class LlamaConfig:
     layer_types: tuple[str, ...] = ()
     # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
     qk_norm: bool = False
+    # RoPE on the first rotary_dim of each head's dims, the rest passed through (Phi-3's
+    # partial_rotary_factor); None: all of head_dim
+    rotary_dim: int | None = None
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -71,10 +75,13 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> LlamaConfig:
-        """Read a ``transformers`` config of model type llama, mistral, qwen2 or qwen3.
+        """Read a ``transformers`` config of model type llama, mistral, qwen2, qwen3 or phi3.
 
         Qwen2 always has q/k/v biases (and no o bias); the others follow
-        ``attention_bias``. Qwen3 adds the per-head q/k norms (``Qwen3Attention``).
+        ``attention_bias``. Qwen3 adds the per-head q/k norms (``Qwen3Attention``). Phi-3's
+        checkpoint stores q/k/v and gate/up fused already; its sliding window, if set,
+        applies to every layer (as Mistral's), and ``partial_rotary_factor`` rotates the
+        first ``int(head_dim * factor)`` dims of each head.
 
         Raises:
             ValueError: for another model type, or a RoPE scaling type or attention
@@ -85,6 +92,11 @@ class LlamaConfig:
             raise ValueError(f"unsupported model type {model_type!r} ({', '.join(MODEL_TYPES)})")
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+        partial = rope.pop("partial_rotary_factor", None)
+        partial = float(partial or getattr(hf, "partial_rotary_factor", None) or 1.0)
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (this model serves silu)")
         scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
@@ -96,6 +108,9 @@ class LlamaConfig:
         )
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        rotary_dim = int(head_dim * partial)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"unsupported partial_rotary_factor {partial} (head_dim {head_dim})")
         bias = bool(getattr(hf, "attention_bias", False))
         window = getattr(hf, "sliding_window", None)
         qwen = model_type in ("qwen2", "qwen3")
@@ -139,21 +154,22 @@ class LlamaConfig:
             sliding_window=window,
             layer_types=layer_types,
             qk_norm=model_type == "qwen3",
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         )
 
 
 # the Hugging Face model types this family reads
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def rope_inv_freq(config: LlamaConfig) -> Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (float32), with Llama-3 or linear scaling.
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32), with Llama-3 or linear scaling.
 
     Llama-3 scaling follows ``transformers``' ``_compute_llama3_parameters``: wavelengths
     above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
     those below ``.../high_freq_factor`` kept, and the band between interpolated.
     """
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
@@ -179,6 +195,17 @@ def rope_inv_freq(config: LlamaConfig) -> Tensor:
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, rotary_dim]``:
+    the first ``rotary_dim`` dims rotate, the rest pass through (transformers'
+    ``apply_rotary_pos_emb`` with a partial rotary factor)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -257,8 +284,7 @@ class Attention(nn.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, None], sin[:, None]
-        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv_cache.write(attn.slot_mapping, k, v)
         k_pages, v_pages = self.kv_cache.pages()
         out = paged_attention(
@@ -382,7 +408,9 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     """The four LoRA target families of a Llama layer, fused as the model fuses them, then
     the token embedding (``embedding``) and the LM head (``per_segment``: it sees each
     request's last token). With tied embeddings the two stay separate targets: an LM-head
-    delta changes the logits only, never the input embedding (as in PEFT)."""
+    delta changes the logits only, never the input embedding (as in PEFT). An adapter names
+    q/k/v and gate/up as separate modules (Llama's checkpoints) or as one packed module
+    (``qkv_proj``, ``gate_up_proj``: Phi-3's)."""
     c = config
     return {
         "qkv_proj": LoraTarget(
@@ -391,10 +419,15 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
             "column",
             ("q_proj", "k_proj", "v_proj"),
             slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads),
+            slice_packs=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
         ),
         "o_proj": LoraTarget(c.q_size, (c.hidden_size,), "row", ("o_proj",)),
         "gate_up_proj": LoraTarget(
-            c.hidden_size, (c.intermediate_size,) * 2, "column", ("gate_proj", "up_proj")
+            c.hidden_size,
+            (c.intermediate_size,) * 2,
+            "column",
+            ("gate_proj", "up_proj"),
+            slice_packs=(("gate_up_proj", ("gate_proj", "up_proj")),),
         ),
         "down_proj": LoraTarget(c.intermediate_size, (c.hidden_size,), "row", ("down_proj",)),
         "embed_tokens": LoraTarget(
@@ -406,15 +439,19 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     }
 
 
-# the Hugging Face module names (LlamaForCausalLM's, as PEFT keys them after base_model.model.)
+# the Hugging Face module names (LlamaForCausalLM's and Phi3ForCausalLM's, as PEFT keys them
+# after base_model.model.)
 _MODULE_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|qkv_proj|o_proj|gate_proj|up_proj|gate_up_proj|down_proj)$"
 )
 _TOP_MODULES = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
 _SLICE_TARGET = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
     "v_proj": "qkv_proj",
+    "qkv_proj": "qkv_proj",  # a packed module (Phi-3): the pack of the same name
+    "gate_up_proj": "gate_up_proj",
     "o_proj": "o_proj",
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
@@ -450,11 +487,11 @@ _FUSED = {
 
 
 def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename a Hugging Face Llama/Mistral/Qwen2/Qwen3 state dict to :class:`LlamaModel`'s
-    names.
+    """Rename a Hugging Face Llama/Mistral/Qwen2/Qwen3/Phi-3 state dict to
+    :class:`LlamaModel`'s names.
 
     Drops the ``model.`` prefix and concatenates q/k/v into ``qkv_proj`` and gate/up into
-    ``gate_up_proj`` (weights and biases), in slice order.
+    ``gate_up_proj`` (weights and biases), in slice order (Phi-3 stores them fused).
     """
     out: dict[str, Tensor] = {}
     parts: dict[str, dict[int, Tensor]] = {}
@@ -474,7 +511,7 @@ def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 class LlamaPipeline(PipelineModelWithKVCache):
-    """Llama 2/3, Mistral, Qwen2 and Qwen3 checkpoints in Hugging Face format."""
+    """Llama 2/3, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints in Hugging Face format."""
 
     def _create_model_config(self, hf_config: Any) -> LlamaConfig:
         return LlamaConfig.from_hf(hf_config)

@@ -85,6 +85,16 @@ def make_hf_model(kind: str, seed: int = 0):
                 ):
                     proj.bias.normal_(0, 0.5)
         return model
+    if kind == "phi3":
+        # fused qkv_proj / gate_up_proj in the checkpoint, RoPE on half of each head's dims,
+        # and a sliding window of 6 on every layer (prompts reach past it)
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        cfg = Phi3Config(
+            **common, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=6,
+            pad_token_id=0,
+        )  # fmt: skip
+        return Phi3ForCausalLM(cfg)
     if kind == "qwen3":
         # per-head q/k norms (random weights, so a norm not loaded shows), attention biases,
         # and a head_dim that is not hidden / heads
@@ -134,6 +144,20 @@ def make_peft_adapter(
     return out_dir
 
 
+# a checkpoint that stores q/k/v and gate/up fused names them as one module each (Phi-3)
+PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def for_model(kind: str, lora_kwargs: dict) -> dict:
+    """``ADAPTERS``' LoraConfig kwargs for a model kind: Phi-3's adapters target its packed
+    modules where the others name the separate ones."""
+    if kind != "phi3":
+        return lora_kwargs
+    names = [PACKED.get(m, m) for m in lora_kwargs["target_modules"]]
+    return {**lora_kwargs, "target_modules": list(dict.fromkeys(names))}
+
+
 @pytest.fixture(scope="session")
 def tiny_factory(tmp_path_factory):
     cache: dict[str, Tiny] = {}
@@ -143,7 +167,9 @@ def tiny_factory(tmp_path_factory):
             root = tmp_path_factory.mktemp(kind)
             make_hf_model(kind).save_pretrained(root / "base")
             adapters = {
-                name: make_peft_adapter(root / "base", root / name, seed=i + 10, factor=f, **kw)
+                name: make_peft_adapter(
+                    root / "base", root / name, seed=i + 10, factor=f, **for_model(kind, kw)
+                )
                 for i, (name, (kw, f)) in enumerate(ADAPTERS.items())
             }
             cache[kind] = Tiny(kind, root / "base", adapters, 128)

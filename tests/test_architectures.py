@@ -18,7 +18,7 @@ from conftest import make_pipeline, prompts, run_prefill
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
 
-KINDS = ["qwen3"]
+KINDS = ["qwen3", "phi3"]
 MIX = ["A", None, "B", "D", "A", None, "C"]
 
 
@@ -74,3 +74,76 @@ def test_compiled_engine_equals_eager(kind, tiny_factory):
     want = LLMEngine(make_pipeline(t, **kw)).generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert compiled.graphs.recompiles == 0
+
+
+@pytest.mark.parametrize("modules", [["k_proj", "v_proj"], ["v_proj"], ["up_proj"]])
+def test_partial_adapters_land_on_their_slices(modules, tiny, tmp_path):
+    """An adapter on some slices of a fused target (only k and v; only v; only up) lands at
+    those slices' offsets with the rest of the target zero: logits equal peft's."""
+    from conftest import make_peft_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = make_peft_adapter(
+        tiny.base, tmp_path / "partial", seed=7, factor=20.0, r=8, lora_alpha=16,
+        target_modules=modules,
+    )  # fmt: skip
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(path), name="P")
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny.base), path).eval()
+    batch = prompts(3, seed=45)
+    got = run_prefill(pipe, batch, ["P", None, "P"])
+    with torch.no_grad():
+        want = [ref(torch.tensor([ids])).logits[0] for ids in (batch[0], batch[2])]
+        with ref.disable_adapter():
+            base = ref(torch.tensor([batch[1]])).logits[0]
+            base0 = ref(torch.tensor([batch[0]])).logits[0]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[2], want[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], base, rtol=1e-4, atol=1e-4)
+    assert (want[0] - base0).abs().max() > 0.05  # the adapter changes the output
+
+
+def test_packed_module_of_the_wrong_size_is_refused(tiny_factory, tmp_path):
+    """A packed ``qkv_proj`` whose B does not hold exactly q, k and v's rows is refused,
+    naming the module; the pipeline serves on."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lora_graph import AdapterError
+
+    t = tiny_factory("phi3")
+    bad = tmp_path / "bad"
+    shutil.copytree(t.adapters["B"], bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in tensors if "layers.1.self_attn.qkv_proj.lora_B" in k)
+    tensors[key] = tensors[key][:-4].contiguous()  # v's last rows missing
+    save_file(tensors, bad / "adapter_model.safetensors")
+    pipe = make_pipeline(t, load=("A",))
+    with pytest.raises(AdapterError, match=r"layers\.1\.self_attn\.qkv_proj .*does not fit"):
+        pipe.manager.load_adapter(str(bad), name="bad")
+    batch = prompts(2, seed=46)
+    assert all(x.isfinite().all() for x in run_prefill(pipe, batch, ["A", None]))
+
+
+def test_variants_not_implemented_are_refused_at_start_up():
+    """Phi-3's long-context RoPE (longrope), another MLP activation, or a partial rotary
+    factor giving an odd rotary width: refused with the cause, before any weight is read."""
+    from transformers import LlamaConfig as HFLlama
+    from transformers import Phi3Config
+
+    from lora_graph.models import LlamaConfig
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    longrope = Phi3Config(
+        **small, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+        LlamaConfig.from_hf(longrope)
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        LlamaConfig.from_hf(HFLlama(**small, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
+        LlamaConfig.from_hf(Phi3Config(**small, partial_rotary_factor=0.1))
+    assert LlamaConfig.from_hf(Phi3Config(**small, partial_rotary_factor=0.5)).rotary_dim == 8

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 _INTERP_SET_HERE = (
     not torch.cuda.is_available() and "lora_graph.kernels.triton_attention" not in sys.modules
@@ -78,6 +77,7 @@ class Step:
     values: list[torch.Tensor]
     scale: float
     window: int
+    softcap: float = 0.0
 
     @property
     def args(self) -> tuple:
@@ -90,7 +90,7 @@ class Step:
             self.query_start,
             self.scale,
             self.window,
-        )
+        ) + ((self.softcap,) if self.softcap else ())
 
 
 def make_step(
@@ -106,6 +106,7 @@ def make_step(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    softcap: float = 0.0,
 ) -> Step:
     """``seqs``: ``(q_len, seq_len)`` per sequence (``(0, 0)``: a padding sequence), whose
     rows are packed in order, then ``pad_rows`` rows of no sequence. Pages are a random
@@ -148,6 +149,7 @@ def make_step(
         values,
         head_dim**-0.5,
         window,
+        softcap,
     )
 
 
@@ -169,7 +171,10 @@ def expected64(step: Step) -> torch.Tensor:
         qs = step.q[q0:q1].cpu().double().transpose(0, 1)  # [Hq, q_len, D]
         ks = k.double().transpose(0, 1).repeat_interleave(groups, 0)  # [Hq, L, D]
         vs = v.double().transpose(0, 1).repeat_interleave(groups, 0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=step.scale)
+        scores = qs @ ks.transpose(1, 2) * step.scale
+        if step.softcap:
+            scores = step.softcap * torch.tanh(scores / step.softcap)
+        o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vs
         out[q0:q1] = o.transpose(0, 1)
     return out
 
@@ -220,6 +225,18 @@ def test_reference_bfloat16_and_op_dispatch():
     assert A.paged_attention_impl("torch", torch.device("cpu")) is A.paged_attention_reference
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_reference_soft_cap_against_float64(window):
+    """Gemma 2's attention logit soft-capping (``softcap * tanh(x / softcap)``), a cap the
+    logits reach (q scaled up so the cap matters)."""
+    step = make_step(MIXED, groups=2, window=window, softcap=1.5)
+    step.q.mul_(4)
+    check(A.paged_attention_reference(*step.args), step, ATOL[torch.float32])
+    assert not torch.allclose(
+        A.paged_attention_reference(*step.args[:-1]), A.paged_attention_reference(*step.args)
+    )
+
+
 def test_window_larger_than_context_is_full_attention():
     full = make_step(MIXED, window=0)
     wide = make_step(MIXED, window=64)
@@ -231,6 +248,8 @@ def test_window_larger_than_context_is_full_attention():
 def test_opcheck():
     """Schema, fake (meta) implementation and dispatch are consistent (torch.library)."""
     step = make_step(MIXED[:4], window=3)
+    torch.library.opcheck(torch.ops.lora_graph.paged_attention.default, step.args)
+    step = make_step(MIXED[:4], window=3, softcap=2.0)
     torch.library.opcheck(torch.ops.lora_graph.paged_attention.default, step.args)
 
 
@@ -313,6 +332,18 @@ def test_triton_split_kv(splits, window):
     seqs = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 18)]
     step = make_step(seqs, groups=4, window=window, page_size=16, seed=splits)
     cfg = TA.make_config(4, block_q=4, block_n=16, splits=splits)
+    check(TA.paged_attention(*step.args, config=cfg), step, ATOL[torch.float32])
+
+
+@interp
+@pytest.mark.parametrize("split", [False, True])
+def test_triton_soft_cap(split):
+    """The soft cap in the kernel: a mixed step (two launches) and a split-KV decode step,
+    against the float64 expectation, with logits the cap bends (q scaled up)."""
+    seqs = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 18)] if split else MIXED
+    step = make_step(seqs, groups=2, window=0 if split else 5, softcap=1.5, seed=11)
+    step.q.mul_(4)
+    cfg = TA.make_config(2, block_q=8, block_n=16, splits=3) if split else None
     check(TA.paged_attention(*step.args, config=cfg), step, ATOL[torch.float32])
 
 

@@ -87,19 +87,21 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["num_seqs", "n_rows", "window", "q_len_min", "q_len_max"])
     def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        num_seqs, n_rows, qk_scale, window, q_len_min, q_len_max,
+        num_seqs, n_rows, qk_scale, softcap_log2, window, q_len_min, q_len_max,
         stride_qn, stride_qh, stride_qd, stride_kp, stride_ks, stride_kh, stride_kd,
         stride_vp, stride_vs, stride_vh, stride_vd, stride_on, stride_oh, stride_od, stride_bt,
         NUM_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUPS: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CAST_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         """Semantics: ``out[t, h] = softmax_j(q[t, h] . k[j, h // GROUPS] * scale) v[j, ...]``
         over the keys row ``t`` may see, for the query tile ``program_id(0)``, the kv head
         ``program_id(1)`` and (``SPLITS > 1``) the key split ``program_id(2)``.
 
-        ``qk_scale`` is ``scale * log2(e)``. Only sequences of ``q_len_min <= q_len <=
+        ``qk_scale`` is ``scale * log2(e)``; with ``HAS_SOFTCAP`` the logits are capped at
+        ``softcap_log2 = softcap * log2(e)`` (``c * tanh(x / c)``, in the log2 domain the
+        same cap). Only sequences of ``q_len_min <= q_len <=
         q_len_max`` query rows are served (a mixed step runs one launch for its decode rows
         and one for its prefill chunks, each with its own tiles). With ``SPLITS > 1`` the
         partials go to ``part`` (float32 ``[SPLITS, n_rows, NUM_HEADS, D + 2]``: output, then
@@ -166,6 +168,8 @@ if HAVE_TRITON:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            if HAS_SOFTCAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
+                qk = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap_log2) + 1.0))
             if (start < full_lo) | (start + BLOCK_N > first_pos + 1):
                 ok = (row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
                       & ((window <= 0) | (pos[:, None] - offs_n[None, :] < window)))
@@ -347,6 +351,7 @@ def paged_attention(
     query_start: Tensor,
     scale: float,
     window: int,
+    softcap: float = 0.0,
     config: AttentionConfig | None = None,
 ) -> Tensor:
     """:func:`lora_graph.attention.paged_attention`: the arguments and result of the op.
@@ -399,14 +404,14 @@ def paged_attention(
             # fmt: off
             _paged_attention_kernel[grid](
                 q, k_cache, v_cache, out, part, block_tables, seq_lens, query_start,
-                s, n, scale * _LOG2E, window, q_len_min, q_len_max,
+                s, n, scale * _LOG2E, max(softcap, 1.0) * _LOG2E, window, q_len_min, q_len_max,
                 *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
                 block_tables.stride(0),
                 NUM_HEADS=hq, D=d, D_PAD=max(16, next_pow2(d)), GROUPS=groups,
                 PAGE_SIZE=page_size, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, SPLITS=splits, CAST_F32=cast_f32,
                 DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                HAS_SOFTCAP=softcap > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             if splits > 1:
                 _reduce_splits_kernel[(n, hq)](
