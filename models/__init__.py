@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lora_graph.models.gemma2 import Gemma2Pipeline
 from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline
 
 PIPELINES = {
@@ -10,6 +11,7 @@ PIPELINES = {
     "qwen2": LlamaPipeline,
     "qwen3": LlamaPipeline,
     "phi3": LlamaPipeline,
+    "gemma2": Gemma2Pipeline,
 }
 
 
@@ -27,4 +29,11 @@ def pipeline_class(model_type: str) -> type[LlamaPipeline]:
         ) from None
 
 
-__all__ = ["PIPELINES", "LlamaConfig", "LlamaModel", "LlamaPipeline", "pipeline_class"]
+__all__ = [
+    "PIPELINES",
+    "Gemma2Pipeline",
+    "LlamaConfig",
+    "LlamaModel",
+    "LlamaPipeline",
+    "pipeline_class",
+]

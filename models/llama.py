@@ -2,8 +2,9 @@
 KV cache.
 
 One file you can read in one sitting, after gpt-fast's ``model.py``: a dataclass config
-with derived sizes, fused ``qkv_proj`` and ``gate_up_proj`` linears, a paged KV cache
-allocated once as buffers, and RoPE tables computed once. The checkpoint's Hugging Face
+with derived sizes, and the pre-norm decoder block composed from the shared blocks of
+:mod:`lora_graph.models.blocks` (fused ``qkv_proj`` and ``gate_up_proj`` linears, a paged
+KV cache allocated once as buffers, RoPE tables computed once). The checkpoint's Hugging Face
 names are mapped onto this layout by :func:`hf_weights_adapter`, so the model never sees
 the file format.
 
@@ -16,16 +17,22 @@ and nothing else.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lora_graph.attention import paged_attention
 from lora_graph.layers import Embedding, Linear
+from lora_graph.models.blocks import (
+    AttentionMetadata,
+    GatedMLP,
+    PagedAttention,
+    PagedKVCache,
+    RMSNorm,
+    rope_tables,
+)
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
 from lora_graph.targets import LoraModuleRef, LoraTarget
@@ -90,236 +97,99 @@ class LlamaConfig:
         model_type = getattr(hf, "model_type", "llama")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported model type {model_type!r} ({', '.join(MODEL_TYPES)})")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
-        partial = rope.pop("partial_rotary_factor", None)
-        partial = float(partial or getattr(hf, "partial_rotary_factor", None) or 1.0)
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (this model serves silu)")
-        scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r}")
-        scaling = (
-            None
-            if rope_type == "default"
-            else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+        return cls(**hf_fields(hf, model_type))
+
+
+def hf_fields(hf: Any, model_type: str) -> dict[str, Any]:
+    """:class:`LlamaConfig`'s fields from a ``transformers`` config of a Llama-like model:
+    sizes, RoPE (default, linear or llama3 scaling; a partial rotary factor), biases, and
+    each layer's attention type (``layer_types``; Qwen's ``max_window_layers``; otherwise
+    a sliding window, if set, on every layer).
+
+    Raises:
+        ValueError: for a RoPE scaling type or attention variant not supported.
+    """
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
+    partial = rope.pop("partial_rotary_factor", None)
+    partial = float(partial or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    scaling = (
+        None
+        if rope_type == "default"
+        else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+    )
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (head_dim {head_dim})")
+    bias = bool(getattr(hf, "attention_bias", False))
+    window = getattr(hf, "sliding_window", None)
+    qwen = model_type in ("qwen2", "qwen3")
+    if qwen and not getattr(hf, "use_sliding_window", False):
+        window = None
+    layer_types = tuple(getattr(hf, "layer_types", None) or ())
+    n = hf.num_hidden_layers
+    if not layer_types and qwen and window is not None:
+        # transformers 4's Qwen2 rule: layers from max_window_layers on slide
+        first = getattr(hf, "max_window_layers", n)
+        layer_types = tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(n)
         )
-        heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        rotary_dim = int(head_dim * partial)
-        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-            raise ValueError(f"unsupported partial_rotary_factor {partial} (head_dim {head_dim})")
-        bias = bool(getattr(hf, "attention_bias", False))
-        window = getattr(hf, "sliding_window", None)
-        qwen = model_type in ("qwen2", "qwen3")
-        if qwen and not getattr(hf, "use_sliding_window", False):
-            window = None
-        layer_types = tuple(getattr(hf, "layer_types", None) or ())
-        n = hf.num_hidden_layers
-        if not layer_types and qwen and window is not None:
-            # transformers 4's Qwen2 rule: layers from max_window_layers on slide
-            first = getattr(hf, "max_window_layers", n)
-            layer_types = tuple(
-                "sliding_attention" if i >= first else "full_attention" for i in range(n)
-            )
-        if not layer_types:  # Mistral: the window, if any, on every layer
-            kind = "sliding_attention" if window is not None else "full_attention"
-            layer_types = (kind,) * n
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown or len(layer_types) != n:
-            raise ValueError(
-                f"unsupported attention: layer_types {list(layer_types)} (this model serves "
-                f"full_attention and sliding_attention, one per layer)"
-            )
-        if "sliding_attention" in layer_types and window is None:
-            raise ValueError("layer_types names sliding_attention but sliding_window is not set")
-        return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_hidden_layers=hf.num_hidden_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=bias or model_type == "qwen2",
-            o_bias=bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_window=window,
-            layer_types=layer_types,
-            qk_norm=model_type == "qwen3",
-            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+    if not layer_types:  # Mistral: the window, if any, on every layer
+        kind = "sliding_attention" if window is not None else "full_attention"
+        layer_types = (kind,) * n
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown or len(layer_types) != n:
+        raise ValueError(
+            f"unsupported attention: layer_types {list(layer_types)} (this model serves "
+            f"full_attention and sliding_attention, one per layer)"
         )
+    if "sliding_attention" in layer_types and window is None:
+        raise ValueError("layer_types names sliding_attention but sliding_window is not set")
+    return dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=bias or model_type == "qwen2",
+        o_bias=bias and model_type != "qwen2",
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        sliding_window=window,
+        layer_types=layer_types,
+        qk_norm=model_type == "qwen3",
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+    )
 
 
 # the Hugging Face model types this family reads
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
-def rope_inv_freq(config: LlamaConfig) -> Tensor:
-    """Inverse frequencies ``[rotary_dim // 2]`` (float32), with Llama-3 or linear scaling.
-
-    Llama-3 scaling follows ``transformers``' ``_compute_llama3_parameters``: wavelengths
-    above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
-    those below ``.../high_freq_factor`` kept, and the band between interpolated.
-    """
-    dim = config.rotary_dim or config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = dict(config.rope_scaling or ())
-    if scaling.get("rope_type") == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling.get("rope_type") == "llama3":
-        factor, low, high = (
-            scaling["factor"],
-            scaling["low_freq_factor"],
-            scaling["high_freq_factor"],
-        )
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, rotary_dim]``:
-    the first ``rotary_dim`` dims rotate, the rest pass through (transformers'
-    ``apply_rotary_pos_emb`` with a partial rotary factor)."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return (x * cos + rotate_half(x) * sin).to(x.dtype)
-    rot, rest = x[..., :rd], x[..., rd:]
-    return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class PagedKVCache(nn.Module):
-    """One layer's K and V pages (:mod:`lora_graph.paging`), allocated once. The buffers are
-    flat, ``[num_pages * page_size, kv_heads, head_dim]``, written in place with one
-    indexed store (as gpt-fast's cache: a store through a view of a buffer makes
-    ``torch.compile`` copy the whole buffer, every step); :meth:`pages` views them as
-    ``[num_pages, page_size, kv_heads, head_dim]`` for reading."""
-
-    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:  # fmt: skip
-        super().__init__()
-        self.page_size = page_size
-        shape = (num_pages * page_size, kv_heads, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
-
-    def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
-        ``slot_mapping`` ``[T]`` int64 (``page * page_size + offset``)."""
-        self.k[slot_mapping] = k
-        self.v[slot_mapping] = v
-
-    def pages(self) -> tuple[Tensor, Tensor]:
-        """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
-        shape = (-1, self.page_size, *self.k.shape[1:])
-        return self.k.view(shape), self.v.view(shape)
-
-
-class AttentionMetadata(NamedTuple):
-    """The step's attention inputs (:mod:`lora_graph.step`), handed to every layer."""
-
-    slot_mapping: Tensor  # [T] int64, where each token's K/V goes
-    block_tables: Tensor  # [S, P] each request's pages
-    seq_lens: Tensor  # [S] each request's length after the step
-    query_start: Tensor  # [S + 1] the requests' token offsets
-
-
-class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None) -> None:
-        super().__init__()
-        self.config = config
-        self.window = window  # sliding window of this layer (None: full attention)
-        self.qkv_proj = Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
-        self.kv_cache = kv_cache
-        self.scale = config.head_dim**-0.5
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
-        routing: Routing | None,
-    ) -> Tensor:  # fmt: skip
-        c = self.config
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(n, c.num_attention_heads, c.head_dim)
-        k = k.view(n, c.num_key_value_heads, c.head_dim)
-        v = v.view(n, c.num_key_value_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.kv_cache.write(attn.slot_mapping, k, v)
-        k_pages, v_pages = self.kv_cache.pages()
-        out = paged_attention(
-            q,
-            k_pages,
-            v_pages,
-            attn.block_tables,
-            attn.seq_lens,
-            attn.query_start,
-            self.scale,
-            self.window or 0,
-        )
-        return self.o_proj(out.view(n, c.q_size), routing)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: Tensor, routing: Routing | None) -> Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x, routing), routing)
-
-
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
     def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, kv_cache, window)
+        self.self_attn = PagedAttention(config, kv_cache, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
@@ -331,6 +201,10 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head, over a paged KV cache.
+
+    A variant overrides :attr:`layer_class` (its decoder block, built as
+    ``layer_class(config, kv_cache, window)``), :meth:`make_norm`, :meth:`embed` and
+    :meth:`final_logits` (``gemma2.py`` does all four).
 
     Args:
         config: the architecture.
@@ -346,7 +220,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.layer_class(
                 config,
                 PagedKVCache(
                     num_pages, page_size, config.num_key_value_heads, config.head_dim, dtype
@@ -355,14 +229,27 @@ class LlamaModel(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(config, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    layer_class: type[nn.Module] = DecoderLayer
+
+    def make_norm(self, dim: int) -> nn.Module:
+        """The final norm."""
+        return RMSNorm(dim, self.config.rms_norm_eps)
+
+    def embed(self, tokens: Tensor, routing: Routing | None) -> Tensor:
+        """``[T]`` int64 tokens to ``[T, hidden]`` (the embedding, with its LoRA delta)."""
+        return self.embed_tokens(tokens, routing)
+
+    def final_logits(self, logits: Tensor) -> Tensor:
+        """The LM head's output to the returned float32 logits."""
+        return logits.float()
 
     def forward(
         self,
@@ -390,7 +277,7 @@ class LlamaModel(nn.Module):
         Returns:
             float32 logits ``[S, vocab]`` (``[T, vocab]`` when ``logits_index`` is None).
         """
-        x = self.embed_tokens(tokens.long(), routing)
+        x = self.embed(tokens.long(), routing)
         positions = positions.long()
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
@@ -400,8 +287,8 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, attn, routing)
         if logits_index is None:
             # [1, T, hidden]: a per-segment LM head routes a 3-D input by token
-            return self.lm_head(self.norm(x)[None], routing)[0].float()
-        return self.lm_head(self.norm(x[logits_index.long()]), routing).float()
+            return self.final_logits(self.lm_head(self.norm(x)[None], routing)[0])
+        return self.final_logits(self.lm_head(self.norm(x[logits_index.long()]), routing))
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
@@ -513,11 +400,14 @@ def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 class LlamaPipeline(PipelineModelWithKVCache):
     """Llama 2/3, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints in Hugging Face format."""
 
+    config_class: type[LlamaConfig] = LlamaConfig
+    model_class: type[LlamaModel] = LlamaModel
+
     def _create_model_config(self, hf_config: Any) -> LlamaConfig:
-        return LlamaConfig.from_hf(hf_config)
+        return self.config_class.from_hf(hf_config)
 
     def _instantiate_module(self, config: LlamaConfig) -> LlamaModel:
-        return LlamaModel(
+        return self.model_class(
             config,
             num_pages=self.num_kv_pages,
             page_size=self.page_size,

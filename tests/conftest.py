@@ -95,6 +95,27 @@ def make_hf_model(kind: str, seed: int = 0):
             pad_token_id=0,
         )  # fmt: skip
         return Phi3ForCausalLM(cfg)
+    if kind == "gemma2":
+        # four offset norms a layer (random weights), GeGLU, a scaled tied embedding,
+        # query_pre_attn_scalar != head_dim, sliding (window 4) and full layers
+        # alternating, and soft caps the logits reach (q/k scaled up, small caps)
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        cfg = Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=2.0,
+            pad_token_id=0,
+        )  # fmt: skip
+        model = Gemma2ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0, 0.5)
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
+            model.model.embed_tokens.weight.mul_(20)
+        return model
     if kind == "qwen3":
         # per-head q/k norms (random weights, so a norm not loaded shows), attention biases,
         # and a head_dim that is not hidden / heads

@@ -1,13 +1,13 @@
-"""Architectures beyond Llama 2/3, Mistral and Qwen2 (issue #14), each a tiny random
-checkpoint made with ``transformers`` and adapters made with ``peft`` (``conftest.py``),
-against per-request ``transformers`` + ``peft``:
+"""Architectures beyond Llama 2/3, Mistral and Qwen2 (issue #14): Qwen3, Phi-3 and Gemma 2,
+each a tiny random checkpoint made with ``transformers`` and adapters made with ``peft``
+(``conftest.py``), against per-request ``transformers`` + ``peft``:
 
 - a mixed, interleaved prefill batch (base rows and four adapters) matches every token's
   logits;
 - greedy generation of 16 tokens matches, with prompts longer than the step's token budget
   (chunked prefill beside other requests' decodes) over pages of 4 tokens;
 - the compiled step (inductor on the CPU, one token bucket) gives the eager engine's tokens
-  without a recompile.
+  without a recompile, with one layer graph per kind of layer (with LoRA and base-only).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from conftest import make_pipeline, prompts, run_prefill
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
 
-KINDS = ["qwen3", "phi3"]
+KINDS = ["qwen3", "phi3", "gemma2"]
 MIX = ["A", None, "B", "D", "A", None, "C"]
 
 
@@ -67,7 +67,13 @@ def test_compiled_engine_equals_eager(kind, tiny_factory):
     t = tiny_factory(kind)
     kw = dict(max_batch_size=4, max_num_batched_tokens=16)
     compiled = make_pipeline(t, **kw)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled.enable_compile("inductor", token_buckets=(16,), progress=False)
+    # a layer graph per kind of layer (its window), with LoRA and base-only: Gemma 2's
+    # alternating sliding and full layers make four, the others two
+    kinds = {layer.self_attn.window for layer in compiled.model.layers}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2 * len(kinds)
+    assert len(kinds) == (2 if kind == "gemma2" else 1)
     batch = prompts(4, seed=43) + prompts(1, seed=44, min_len=20, max_len=24)
     reqs = _requests(batch, ["A", None, "B", "D", "C"], 6)
     got = LLMEngine(compiled).generate(reqs)

@@ -1,0 +1,234 @@
+"""Shared blocks of decoder models over a paged KV cache: norms, rotary embeddings, the
+KV cache and attention over it, gated MLPs. A model file composes them as its paper's block
+diagram does (``llama.py``, ``gemma2.py``); module attribute names follow Hugging Face's
+(``self_attn.qkv_proj``, ``mlp.down_proj``), so LoRA target paths and checkpoint names
+line up.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lora_graph.attention import paged_attention
+from lora_graph.layers import Linear
+from lora_graph.routing import Routing
+
+
+def rope_inv_freq(config: Any) -> Tensor:
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32) of a config with ``head_dim``,
+    ``rotary_dim`` (None: all of ``head_dim``), ``rope_theta`` and ``rope_scaling``
+    (None, or sorted items with ``rope_type`` linear or llama3).
+
+    Llama-3 scaling follows ``transformers``' ``_compute_llama3_parameters``: wavelengths
+    above ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``,
+    those below ``.../high_freq_factor`` kept, and the band between interpolated.
+    """
+    dim = config.rotary_dim or config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling.get("rope_type") == "llama3":
+        factor, low, high = (
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+        )
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, rotary_dim]``:
+    the first ``rotary_dim`` dims rotate, the rest pass through (transformers'
+    ``apply_rotary_pos_emb`` with a partial rotary factor)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019) as Llama's: normalised in float32, cast back to
+    the input's dtype, then times ``weight`` ``[dim]``.
+
+    ``offset=1.0`` is Gemma's: times ``1 + weight``, in float32, then cast (the weights are
+    stored as the offset from 1)."""
+
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(config: Any, max_seq_len: int) -> tuple[Tensor, Tensor]:
+    """``cos``, ``sin`` ``[max_seq_len, rotary_dim]`` float32 (:func:`rope_inv_freq`), as
+    transformers' rotary embedding computes them (frequencies repeated twice)."""
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class PagedKVCache(nn.Module):
+    """One layer's K and V pages (:mod:`lora_graph.paging`), allocated once. The buffers are
+    flat, ``[num_pages * page_size, kv_heads, head_dim]``, written in place with one
+    indexed store (as gpt-fast's cache: a store through a view of a buffer makes
+    ``torch.compile`` copy the whole buffer, every step); :meth:`pages` views them as
+    ``[num_pages, page_size, kv_heads, head_dim]`` for reading."""
+
+    def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        super().__init__()
+        self.page_size = page_size
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
+        ``slot_mapping`` ``[T]`` int64 (``page * page_size + offset``)."""
+        self.k[slot_mapping] = k
+        self.v[slot_mapping] = v
+
+    def pages(self) -> tuple[Tensor, Tensor]:
+        """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
+        shape = (-1, self.page_size, *self.k.shape[1:])
+        return self.k.view(shape), self.v.view(shape)
+
+
+class AttentionMetadata(NamedTuple):
+    """The step's attention inputs (:mod:`lora_graph.step`), handed to every layer."""
+
+    slot_mapping: Tensor  # [T] int64, where each token's K/V goes
+    block_tables: Tensor  # [S, P] each request's pages
+    seq_lens: Tensor  # [S] each request's length after the step
+    query_start: Tensor  # [S + 1] the requests' token offsets
+
+
+class PagedAttention(nn.Module):
+    """Self-attention of one layer over the paged KV cache: the fused ``qkv_proj``, optional
+    per-head q/k RMSNorms (Qwen3), RoPE, the K/V written into this layer's pages, paged
+    attention (:func:`lora_graph.attention.paged_attention`) and ``o_proj``.
+
+    Args:
+        config: a model config with ``hidden_size``, ``num_attention_heads``,
+            ``num_key_value_heads``, ``head_dim``, ``q_size``, ``kv_size``, ``qkv_bias``,
+            ``o_bias``, ``qk_norm`` and ``rms_norm_eps``.
+        kv_cache: this layer's pages.
+        window: this layer's sliding window (None: full attention).
+        scale: the softmax scale (None: ``head_dim ** -0.5``).
+        softcap: the attention logits' soft cap (0: none; Gemma 2's).
+    """
+
+    def __init__(self, config: Any, kv_cache: PagedKVCache, window: int | None, *,
+                 scale: float | None = None, softcap: float = 0.0) -> None:  # fmt: skip
+        super().__init__()
+        self.config = config
+        self.window = window
+        self.qkv_proj = Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.kv_cache = kv_cache
+        self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
+        routing: Routing | None,
+    ) -> Tensor:  # fmt: skip
+        c = self.config
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(n, c.num_attention_heads, c.head_dim)
+        k = k.view(n, c.num_key_value_heads, c.head_dim)
+        v = v.view(n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.kv_cache.write(attn.slot_mapping, k, v)
+        k_pages, v_pages = self.kv_cache.pages()
+        cap = (self.softcap,) if self.softcap else ()
+        out = paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start,
+            self.scale,
+            self.window or 0,
+            *cap,
+        )
+        return self.o_proj(out.view(n, c.q_size), routing)
+
+
+def _gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate) * up)`` with gate and up fused in ``gate_up_proj``: SwiGLU
+    (``act="silu"``, Llama's; the LoRA expand and the activation fused on the GPU) or
+    GeGLU with the tanh approximation (``act="gelu_tanh"``, Gemma's
+    ``gelu_pytorch_tanh``) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 act: str = "silu") -> None:  # fmt: skip
+        super().__init__()
+        if act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {act!r}")
+        self.act = act
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor, routing: Routing | None) -> Tensor:
+        if self.act == "silu":
+            h = self.gate_up_proj.silu_and_mul(x, routing)
+        else:
+            h = _gelu_tanh_and_mul(self.gate_up_proj(x, routing))
+        return self.down_proj(h, routing)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "GatedMLP",
+    "PagedAttention",
+    "PagedKVCache",
+    "RMSNorm",
+    "apply_rope",
+    "rope_inv_freq",
+    "rope_tables",
+]
