@@ -127,7 +127,22 @@ class Gemma2Model(LlamaModel):
 
 
 class Gemma2Pipeline(LlamaPipeline):
-    """Gemma 2 checkpoints in Hugging Face format."""
+    """Gemma 2 checkpoints in Hugging Face format.
+
+    CPU only for now: on the H200 (2026-12-01) the tiny Gemma 2's logits on CUDA differed
+    from peft's (``tests/test_architectures.py::test_gpu_mixed_batch_matches_peft``,
+    relative error 0.44), cause not found yet, so a CUDA device is refused rather than
+    served approximately (:attr:`verified_on_cuda`).
+    """
 
     config_class = Gemma2Config
     model_class = Gemma2Model
+    verified_on_cuda = False
+
+    def _create_model_config(self, hf_config: Any) -> Gemma2Config:
+        if self.device.type == "cuda" and not self.verified_on_cuda:
+            raise ValueError(
+                "Gemma 2 is not verified on CUDA yet (its GPU parity test fails); serve it on "
+                "the CPU (--device cpu)"
+            )
+        return super()._create_model_config(hf_config)

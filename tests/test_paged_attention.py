@@ -496,6 +496,20 @@ def test_gpu_against_reference(kind, seqs, window):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("seqs", [decode_seqs(64, 2048, 1), [(1, 4096)], [(300, 900), (1, 50)]])
+def test_gpu_soft_cap(seqs):
+    """Gemma 2's soft cap in the compiled kernel (decode, split-KV, prefill), a cap the
+    logits reach, against the reference."""
+    step = gpu_step(seqs, window=0)
+    step.softcap = 2.0
+    got, ref = A.paged_attention(*step.args), A.paged_attention_reference(*step.args)
+    end = int(step.query_start[-1])
+    assert rel_err(got[:end], ref[:end]) < 1e-2
+    assert rel_err(A.paged_attention_reference(*step.args[:-1])[:end], ref[:end]) > 0.05
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_float32():
     step = gpu_step([(1, 1500), (37, 600), (1, 33)], window=0, dtype=torch.float32)
     got = A.paged_attention(*step.args)

@@ -168,8 +168,9 @@ if HAVE_TRITON:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-            if HAS_SOFTCAP:  # c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1)
-                qk = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap_log2) + 1.0))
+            if HAS_SOFTCAP:  # c * tanh(x / c); tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|)
+                e = tl.exp(-2.0 * tl.abs(qk) / softcap_log2)  # in (0, 1]: no overflow
+                qk = tl.where(qk < 0, -softcap_log2, softcap_log2) * (1.0 - e) / (1.0 + e)
             if (start < full_lo) | (start + BLOCK_N > first_pos + 1):
                 ok = (row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
                       & ((window <= 0) | (pos[:, None] - offs_n[None, :] < window)))
