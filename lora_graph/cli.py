@@ -1,5 +1,6 @@
 """The ``lora-graph`` command: ``generate`` over a model and adapters, ``serve`` (an
-OpenAI-compatible HTTP server), and ``demo``."""
+OpenAI-compatible HTTP server), ``embed`` (sentence embeddings from an encoder), and
+``demo``."""
 
 from __future__ import annotations
 
@@ -436,6 +437,88 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     return 0
 
 
+_EMBED_FIELDS = frozenset({"id", "text", "input_ids", "adapter"})
+
+
+def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
+    """Sentence embeddings from an encoder (BERT), each text under its adapter."""
+    _check_output(args.output)
+    if args.adapter is not None and args.requests:
+        raise CliError("--adapter applies to --text; a requests file names each line's adapter")
+    if args.adapter is not None and args.adapter not in {s.partition("=")[0] for s in args.lora}:
+        raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
+    lines = _read_request_lines(args.requests) if args.requests else []
+    args.compile, args.kv_cache_tokens = "none", None
+    engine, tokenizer = _engine_from_args(args)
+    pipe = engine.pipeline
+    if not hasattr(pipe, "embed"):
+        raise CliError(f"model {args.model!r} is not an encoder (embed serves: bert)")
+    known = set(pipe.manager.loras) if pipe.manager is not None else set()
+    limit = min(pipe.max_seq_len, pipe.max_num_batched_tokens)
+
+    def row(obj: dict[str, Any]) -> tuple[list[int], str | None]:
+        unknown = sorted(set(obj) - _EMBED_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r} (a line has: "
+                             f"{', '.join(sorted(_EMBED_FIELDS))})")  # fmt: skip
+        if ("text" in obj) == ("input_ids" in obj):
+            raise ValueError("give either 'text' or 'input_ids'")
+        if "input_ids" in obj:
+            ids = _int_list(obj["input_ids"], "input_ids")
+        elif not isinstance(obj["text"], str):
+            raise ValueError("text must be a string")
+        elif tokenizer is None:
+            raise ValueError("the model has no tokenizer; give input_ids")
+        else:
+            ids = tokenizer(obj["text"])["input_ids"]
+        adapter = obj.get("adapter")
+        if adapter is not None and adapter not in known:
+            raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
+        if not 0 < len(ids) <= limit:
+            raise ValueError(f"{len(ids)} tokens (1 to {limit}: --max-seq-len)")
+        vocab = pipe.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return ids, adapter
+
+    entries: list[tuple[Any, tuple[list[int], str | None] | None, str | None]] = []
+    if args.requests:
+        for n, line, error in lines:
+            out_id: Any = f"line-{n}"
+            if error is not None or line is None:
+                entries.append((out_id, None, error))
+                continue
+            try:
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError("a line must be a JSON object")
+                out_id = obj.get("id", out_id)
+                entries.append((out_id, row(obj), None))
+            except (ValueError, TypeError, RecursionError) as e:
+                entries.append((out_id, None, f"line {n}: {e}"))
+    else:
+        for i, text in enumerate(args.text):
+            try:
+                entries.append((i, row({"text": text, "adapter": args.adapter}), None))
+            except ValueError as e:
+                raise CliError(f"--text {i + 1}: {e}") from e
+    good = [r for _, r, error in entries if error is None and r is not None]
+    vectors = pipe.embed(good).tolist() if good else []
+    results, k = [], 0
+    for out_id, r, error in entries:
+        if error is not None or r is None:
+            results.append({"id": out_id, "error": error})
+            continue
+        results.append({"id": out_id, "adapter": r[1], "embedding": vectors[k]})
+        k += 1
+    text = "".join(json.dumps(result) + "\n" for result in results)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        stdout.write(text)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     from lora_graph import server
 
@@ -584,7 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--model",
         required=True,
-        help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2, Qwen3, Phi-3)",
+        help="Hugging Face model directory or repo id (Llama, Mistral, Qwen2, Qwen3, Phi-3, "
+        "Gemma 2; BERT for embed)",
     )
     engine.add_argument(
         "--lora",
@@ -743,6 +827,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress bar while the CUDA graphs are captured at start-up (--compile)",
     )
     srv.set_defaults(func=cmd_serve)
+
+    emb = sub.add_parser(
+        "embed",
+        parents=[common, engine],
+        help="sentence embeddings from an encoder (BERT), each text under its adapter",
+        description="Mean-pooled, L2-normalised sentence embeddings (as sentence-transformers' "
+        "all-MiniLM-L6-v2 computes them) of texts, each under its adapter, batched together. "
+        'One JSON line a text: {"id", "adapter", "embedding"} or {"id", "error"}.',
+    )
+    esrc = emb.add_mutually_exclusive_group(required=True)
+    esrc.add_argument("--text", action="append", help="a text to embed (repeatable)")
+    esrc.add_argument(
+        "--requests",
+        metavar="FILE.jsonl",
+        help='one JSON object a line: {"id", "text" | "input_ids", "adapter"}',
+    )
+    emb.add_argument("--adapter", default=None, help="adapter for --text (default: the base model)")
+    emb.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    emb.set_defaults(func=cmd_embed, progress=False)
 
     demo = sub.add_parser(
         "demo",

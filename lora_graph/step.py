@@ -176,14 +176,15 @@ class StepBuffer:
         else:
             tables = np.empty((s, p), dtype=np.int32)
         tables[...] = 0
+        paged = "block_tables" in want or "slot_mapping" in want  # (an encoder has no pages)
         for i, c in enumerate(chunks):
             held = len(c.pages)
-            if held * page < seq_lens[i] or held > p:
+            if paged and (held * page < seq_lens[i] or held > p):
                 raise ValueError(
                     f"chunk {i}: {held} pages of {page} do not hold {seq_lens[i]} positions "
                     f"(at most {p} pages a request)"
                 )
-            tables[i, :held] = c.pages
+            tables[i, : min(held, p)] = c.pages[:p]
         # per token: its request, its position, where its K and V go
         owner = np.repeat(np.arange(len(chunks)), lens)
         pos = np.arange(n) - np.repeat(query_start[: len(chunks)] - starts, lens)

