@@ -59,7 +59,8 @@ def main() -> None:
 
     from lora_graph import LoRAConfig, LoRAManager
     from lora_graph.models.llama import LlamaConfig as Config
-    from lora_graph.models.llama import lora_module_map, lora_module_path, lora_targets
+    from lora_graph.models.llama import lora_targets
+    from lora_graph.targets import module_map, module_path
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     shapes = SMOKE if args.smoke else LLAMA3_8B
@@ -73,8 +74,8 @@ def main() -> None:
     manager = LoRAManager(
         LoRAConfig(max_slots=2, max_rank=16, cpu_capacity=len(names) + 1),
         targets=lora_targets(config),
-        module_map=lora_module_map,
-        module_path=lora_module_path,
+        module_map=module_map(lora_targets(config), config.num_hidden_layers),
+        module_path=module_path(lora_targets(config)),
         num_layers=config.num_hidden_layers,
         dtype=torch.bfloat16,
         device=device,

@@ -16,7 +16,7 @@ from lora_graph.layout import SlotLayout
 from lora_graph.manager import LoRAManager
 from lora_graph.paging import PagePool
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
-from lora_graph.targets import LoraModuleRef, LoraTarget
+from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
 
 if TYPE_CHECKING:
     from lora_graph.compile.cache import GraphCache
@@ -139,8 +139,8 @@ class PipelineModelWithKVCache(abc.ABC):
     steps (:mod:`lora_graph.step`).
 
     A subclass implements :meth:`_create_model_config` (the architecture's config from the
-    Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA targets
-    (:meth:`lora_targets`, :meth:`lora_module_map`, :meth:`lora_module_path`), its
+    Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA target table
+    (:meth:`lora_targets`: the module map and paths derive from it), its
     :meth:`weights_adapter` (checkpoint key renaming), its step inputs
     (:meth:`_get_compile_input_types`) and the
     bytes of KV cache a token takes (:meth:`kv_bytes_per_token`). :meth:`load_model`
@@ -358,11 +358,16 @@ class PipelineModelWithKVCache(abc.ABC):
     @abc.abstractmethod
     def lora_targets(self) -> dict[str, LoraTarget]: ...
 
-    @abc.abstractmethod
-    def lora_module_map(self, module: str) -> LoraModuleRef | None: ...
+    def lora_module_map(self, module: str) -> LoraModuleRef | None:
+        """Where a checkpoint module's adapter lands (None: nowhere), from the target
+        table's ``checkpoint_names`` (:func:`lora_graph.targets.module_map`)."""
+        if getattr(self, "_module_map", None) is None:
+            self._module_map = module_map(self.lora_targets(), self.num_layers)
+        return self._module_map(module)
 
-    @abc.abstractmethod
-    def lora_module_path(self, target: str, layer: int) -> str: ...
+    def lora_module_path(self, target: str, layer: int) -> str:
+        """A target's module path at ``layer``, from the table's ``module_path``."""
+        return module_path(self.lora_targets())(target, layer)
 
     @abc.abstractmethod
     def compile_regions(self) -> Sequence[nn.Module]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -33,6 +35,13 @@ class LoraTarget:
     target exists on (None: all; a target outside the layer stack, as an embedding or LM
     head, names ``(0,)``).
 
+    ``module_path`` is the attribute path of the target's module in the model, with
+    ``{layer}`` for its layer (``"layers.{layer}.self_attn.qkv_proj"``);
+    ``checkpoint_names`` are the module names an adapter's keys carry (PEFT's, after
+    ``base_model.model.``), with ``{layer}`` and ``{slice}`` (each slice name and pack
+    name): ``"model.layers.{layer}.self_attn.{slice}"``. :func:`module_map` and
+    :func:`module_path` derive the model's module map and paths from them.
+
     ``slice_packs`` names checkpoint modules that pack several slices into one tensor, as
     ``(module name, (slice name, ...))``: Phi-3's fused ``qkv_proj`` is ``[q | k | v]``.
     Such a module has one A, which each of its slices takes, and a B whose rows are those
@@ -57,6 +66,8 @@ class LoraTarget:
     layers: tuple[int, ...] | None = None
     kind: Literal["linear", "embedding"] = "linear"
     per_segment: bool = False
+    module_path: str = ""
+    checkpoint_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.out_slices or any(w <= 0 for w in self.out_slices):
@@ -116,3 +127,55 @@ class LoraTarget:
 
     def layer_ids(self, num_layers: int) -> tuple[int, ...]:
         return tuple(range(num_layers)) if self.layers is None else self.layers
+
+
+def module_map(
+    targets: dict[str, LoraTarget], num_layers: int
+) -> Callable[[str], LoraModuleRef | None]:
+    """Where each checkpoint module lands, from the targets' ``checkpoint_names``: a name
+    matching a template, with any layer number for ``{layer}`` (a layer the model lacks is
+    refused later, naming it) and a slice or pack name for ``{slice}``; None for a module
+    no target names.
+
+    Raises:
+        ValueError: if two targets name the same module.
+    """
+    patterns: list[tuple[re.Pattern[str], str, str | int | None]] = []
+    seen: dict[str, str] = {}
+    for name, t in targets.items():
+        slices = [*t.slice_names, *(pack for pack, _ in t.slice_packs or ())]
+        for template in t.checkpoint_names:
+            shards = slices if "{slice}" in template else [None]
+            for shard in shards:
+                key = template.replace("{slice}", str(shard))
+                if seen.setdefault(key, name) != name:
+                    raise ValueError(f"module {key} is named by both {seen[key]} and {name}")
+                body = re.escape(key)
+                regex = re.compile("^" + body.replace(re.escape("{layer}"), r"(\d+)") + "$")
+                patterns.append((regex, name, shard))
+
+    def lookup(module: str) -> LoraModuleRef | None:
+        for regex, name, shard in patterns:
+            m = regex.match(module)
+            if m is not None:
+                layer = int(m.group(1)) if m.groups() else targets[name].layer_ids(num_layers)[0]
+                return LoraModuleRef(name, layer, shard)
+        return None
+
+    return lookup
+
+
+def module_path(targets: dict[str, LoraTarget]) -> Callable[[str, int], str]:
+    """A target's module path at a layer, from its ``module_path`` template.
+
+    Raises:
+        KeyError: for a target without one.
+    """
+
+    def path(target: str, layer: int) -> str:
+        template = targets[target].module_path
+        if not template:
+            raise KeyError(f"target {target!r} has no module_path")
+        return template.format(layer=layer)
+
+    return path

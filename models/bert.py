@@ -30,7 +30,7 @@ from lora_graph.layers import Linear
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
 from lora_graph.step import SeqChunk
-from lora_graph.targets import LoraModuleRef, LoraTarget
+from lora_graph.targets import LoraTarget
 
 
 @dataclass(frozen=True)
@@ -177,33 +177,34 @@ class BertEncoderModel(nn.Module):
 
 
 def lora_targets(c: BertConfig) -> dict[str, LoraTarget]:
+    """The encoder's LoRA targets; checkpoint names with and without the ``bert.`` prefix
+    (``BertModel``'s and the task models')."""
     h, i = c.hidden_size, c.intermediate_size
     heads = c.num_attention_heads
+    layer = "encoder.layer.{layer}."
+
+    def names(rest: str) -> tuple[str, ...]:
+        return (layer + rest, "bert." + layer + rest)
+
     return {
         "qkv": LoraTarget(
-            h, (h, h, h), "column", ("query", "key", "value"), slice_units=(heads, heads, heads)
-        ),  # fmt: skip
-        "attn_out": LoraTarget(h, (h,), "row", ("attention.output.dense",)),
-        "intermediate": LoraTarget(h, (i,), "column", ("intermediate.dense",)),
-        "output": LoraTarget(i, (h,), "row", ("output.dense",)),
-    }
-
-
-_MODULE_RE = re.compile(
-    r"^(?:bert\.)?encoder\.layer\.(\d+)\."
-    r"(attention\.self\.(?:query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)$"
-)
-_TARGET = {
-    "attention.output.dense": "attn_out",
-    "intermediate.dense": "intermediate",
-    "output.dense": "output",
-}
-_PATH = {
-    "qkv": "attention.self.qkv",
-    "attn_out": "attention.output.dense",
-    "intermediate": "intermediate.dense",
-    "output": "output.dense",
-}
+            h, (h, h, h), "column", ("query", "key", "value"), slice_units=(heads,) * 3,
+            module_path=layer + "attention.self.qkv",
+            checkpoint_names=names("attention.self.{slice}"),
+        ),
+        "attn_out": LoraTarget(
+            h, (h,), "row", module_path=layer + "attention.output.dense",
+            checkpoint_names=names("attention.output.dense"),
+        ),
+        "intermediate": LoraTarget(
+            h, (i,), "column", module_path=layer + "intermediate.dense",
+            checkpoint_names=names("intermediate.dense"),
+        ),
+        "output": LoraTarget(
+            i, (h,), "row", module_path=layer + "output.dense",
+            checkpoint_names=names("output.dense"),
+        ),
+    }  # fmt: skip
 
 
 class BertPipeline(PipelineModelWithKVCache):
@@ -226,18 +227,6 @@ class BertPipeline(PipelineModelWithKVCache):
 
     def lora_targets(self) -> dict[str, LoraTarget]:
         return lora_targets(self.config)
-
-    def lora_module_map(self, module: str) -> LoraModuleRef | None:
-        m = _MODULE_RE.match(module)
-        if m is None:
-            return None
-        name = m.group(2)
-        if name.startswith("attention.self."):
-            return LoraModuleRef("qkv", int(m.group(1)), name.rsplit(".", 1)[1])
-        return LoraModuleRef(_TARGET[name], int(m.group(1)))
-
-    def lora_module_path(self, target: str, layer: int) -> str:
-        return f"encoder.layer.{layer}.{_PATH[target]}"
 
     def compile_regions(self) -> list[nn.Module]:
         return list(self.model.encoder.layer)

@@ -35,7 +35,7 @@ from lora_graph.models.blocks import (
 )
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
-from lora_graph.targets import LoraModuleRef, LoraTarget
+from lora_graph.targets import LoraTarget
 
 
 @dataclass(frozen=True)
@@ -299,6 +299,7 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     q/k/v and gate/up as separate modules (Llama's checkpoints) or as one packed module
     (``qkv_proj``, ``gate_up_proj``: Phi-3's)."""
     c = config
+    attn, mlp = "model.layers.{layer}.self_attn.{slice}", "model.layers.{layer}.mlp.{slice}"
     return {
         "qkv_proj": LoraTarget(
             c.hidden_size,
@@ -307,61 +308,35 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
             ("q_proj", "k_proj", "v_proj"),
             slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads),
             slice_packs=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+            module_path="layers.{layer}.self_attn.qkv_proj",
+            checkpoint_names=(attn,),
         ),
-        "o_proj": LoraTarget(c.q_size, (c.hidden_size,), "row", ("o_proj",)),
+        "o_proj": LoraTarget(
+            c.q_size, (c.hidden_size,), "row", ("o_proj",),
+            module_path="layers.{layer}.self_attn.o_proj", checkpoint_names=(attn,),
+        ),
         "gate_up_proj": LoraTarget(
             c.hidden_size,
             (c.intermediate_size,) * 2,
             "column",
             ("gate_proj", "up_proj"),
             slice_packs=(("gate_up_proj", ("gate_proj", "up_proj")),),
+            module_path="layers.{layer}.mlp.gate_up_proj",
+            checkpoint_names=(mlp,),
         ),
-        "down_proj": LoraTarget(c.intermediate_size, (c.hidden_size,), "row", ("down_proj",)),
+        "down_proj": LoraTarget(
+            c.intermediate_size, (c.hidden_size,), "row", ("down_proj",),
+            module_path="layers.{layer}.mlp.down_proj", checkpoint_names=(mlp,),
+        ),
         "embed_tokens": LoraTarget(
-            c.vocab_size, (c.hidden_size,), "none", ("embed_tokens",), layers=(0,), kind="embedding"
+            c.vocab_size, (c.hidden_size,), "none", ("embed_tokens",), layers=(0,),
+            kind="embedding", module_path="embed_tokens", checkpoint_names=("model.embed_tokens",),
         ),
         "lm_head": LoraTarget(
-            c.hidden_size, (c.vocab_size,), "column", ("lm_head",), layers=(0,), per_segment=True
+            c.hidden_size, (c.vocab_size,), "column", ("lm_head",), layers=(0,),
+            per_segment=True, module_path="lm_head", checkpoint_names=("lm_head",),
         ),
-    }
-
-
-# the Hugging Face module names (LlamaForCausalLM's and Phi3ForCausalLM's, as PEFT keys them
-# after base_model.model.)
-_MODULE_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|qkv_proj|o_proj|gate_proj|up_proj|gate_up_proj|down_proj)$"
-)
-_TOP_MODULES = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
-_SLICE_TARGET = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "qkv_proj": "qkv_proj",  # a packed module (Phi-3): the pack of the same name
-    "gate_up_proj": "gate_up_proj",
-    "o_proj": "o_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-    "down_proj": "down_proj",
-}
-
-
-def lora_module_map(module: str) -> LoraModuleRef | None:
-    """Place a checkpoint module (``model.layers.3.self_attn.q_proj``, ``lm_head``) on a
-    target slice."""
-    m = _MODULE_RE.match(module)
-    if m is None:
-        top = _TOP_MODULES.get(module)
-        return LoraModuleRef(top, 0, top) if top else None
-    return LoraModuleRef(_SLICE_TARGET[m.group(2)], int(m.group(1)), m.group(2))
-
-
-def lora_module_path(target: str, layer: int) -> str:
-    """The attribute path of a target's module in :class:`LlamaModel`."""
-    if target in ("embed_tokens", "lm_head"):
-        return target
-    parent = "self_attn" if target in ("qkv_proj", "o_proj") else "mlp"
-    return f"layers.{layer}.{parent}.{target}"
+    }  # fmt: skip
 
 
 _FUSED = {
@@ -421,12 +396,6 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     def lora_targets(self) -> dict[str, LoraTarget]:
         return lora_targets(self.config)
-
-    def lora_module_map(self, module: str) -> LoraModuleRef | None:
-        return lora_module_map(module)
-
-    def lora_module_path(self, target: str, layer: int) -> str:
-        return lora_module_path(target, layer)
 
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         return hf_weights_adapter(state_dict)

@@ -197,3 +197,31 @@ def test_attention_types_read_per_layer_and_unknown_ones_refused():
     odd.layer_types = ["full_attention", "chunked_attention", "full_attention"]
     with pytest.raises(ValueError, match="unsupported attention: layer_types"):
         LlamaConfig.from_hf(odd)
+
+
+def test_module_map_and_paths_derive_from_the_target_table():
+    """One table per model: checkpoint names (any layer number, each slice or pack name)
+    and module paths come from each target's templates; two targets naming one module is
+    an error in the table."""
+    from transformers import LlamaConfig as HFLlama
+
+    from lora_graph.models import LlamaConfig
+    from lora_graph.models.llama import lora_targets
+    from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    targets = lora_targets(LlamaConfig.from_hf(HFLlama(**small)))
+    find = module_map(targets, 2)
+    assert find("model.layers.1.self_attn.k_proj") == LoraModuleRef("qkv_proj", 1, "k_proj")
+    assert find("model.layers.0.self_attn.qkv_proj") == LoraModuleRef("qkv_proj", 0, "qkv_proj")
+    assert find("model.layers.7.mlp.up_proj") == LoraModuleRef("gate_up_proj", 7, "up_proj")
+    assert find("model.embed_tokens") == LoraModuleRef("embed_tokens", 0, None)
+    assert find("model.layers.0.self_attn.rotary_emb") is None
+    assert find("model.layers.x.mlp.up_proj") is None
+    path = module_path(targets)
+    assert path("down_proj", 1) == "layers.1.mlp.down_proj" and path("lm_head", 0) == "lm_head"
+    clash = dict(
+        targets, other=LoraTarget(64, (64,), module_path="x", checkpoint_names=("lm_head",))
+    )
+    with pytest.raises(ValueError, match="module lm_head is named by both lm_head and other"):
+        module_map(clash, 2)
