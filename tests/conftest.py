@@ -221,7 +221,13 @@ class PeftReference:
         from transformers import AutoModelForCausalLM
 
         self.device = device
-        base = AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype).to(device).eval()
+        # eager attention: the models' own semantics (transformers 5.17's Gemma 2 under
+        # SDPA, its default there, drops the attention soft cap)
+        base = (
+            AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype, attn_implementation="eager")
+            .to(device)
+            .eval()
+        )
         names = list(t.adapters)
         self.model = PeftModel.from_pretrained(
             base,
