@@ -448,11 +448,18 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.adapter is not None and args.adapter not in {s.partition("=")[0] for s in args.lora}:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
+    from transformers import AutoConfig
+
+    from lora_graph.models import pipeline_class
+    from lora_graph.pipeline import resolve_model_path
+
+    with contextlib.suppress(OSError, ValueError):  # (build_engine reports those)
+        model_type = AutoConfig.from_pretrained(resolve_model_path(args.model)).model_type
+        if not hasattr(pipeline_class(model_type), "embed"):
+            raise CliError(f"model {args.model!r} ({model_type}) is not an encoder (embed: bert)")
     args.compile, args.kv_cache_tokens = "none", None
     engine, tokenizer = _engine_from_args(args)
     pipe = engine.pipeline
-    if not hasattr(pipe, "embed"):
-        raise CliError(f"model {args.model!r} is not an encoder (embed serves: bert)")
     known = set(pipe.manager.loras) if pipe.manager is not None else set()
     limit = min(pipe.max_seq_len, pipe.max_num_batched_tokens)
 
