@@ -8,6 +8,9 @@ FastAPI routes, uvicorn serving, FastAPI's server-sent events for ``stream: true
   ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stop_token_ids``,
   ``n``, ``ignore_eos``, ``stream`` and ``stream_options``. Streamed responses are OpenAI's
   chunk objects, then a usage chunk, then ``[DONE]``. ``logprobs`` is refused (400).
+- ``POST /v1/embeddings`` (an encoder, ``models/bert.py``): sentence embeddings of a text,
+  texts or token-id lists, under the adapter ``model`` names; ``encoding_format`` float or
+  base64. An encoder serves only this route; a decoder every other.
 - ``GET /v1/models``: the base model and every loaded adapter.
 - ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``: vLLM's payload
   (``lora_name``, ``lora_path``); loading needs ``allow_runtime_lora`` and a path under one
@@ -25,6 +28,7 @@ released).
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import itertools
@@ -283,6 +287,13 @@ if HAVE_SERVER_DEPS:
     class LoadBody(_Body):
         lora_name: str
         lora_path: str
+
+    class EmbeddingBody(_Body):
+        model: str
+        input: str | list[str] | list[int] | list[list[int]]
+        encoding_format: Literal["float", "base64"] = "float"
+        dimensions: int | None = None
+        user: str | None = None
 
     class UnloadBody(_Body):
         lora_name: str
@@ -815,8 +826,56 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
 
         return EventSourceResponse(stream())
 
+    def generates() -> None:
+        if hasattr(engine.pipeline, "embed"):
+            raise APIError(
+                400, f"the model {config.model_name!r} is an encoder; use /v1/embeddings",
+                param="model",
+            )  # fmt: skip
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingBody) -> dict[str, Any]:
+        """Sentence embeddings of an encoder (``models/bert.py``), each input under the
+        adapter ``model`` names; ``encoding_format`` ``"base64"`` is the float32 vector's
+        little-endian bytes (what the ``openai`` client asks for by default)."""
+        pipe = engine.pipeline
+        if not hasattr(pipe, "embed"):
+            raise APIError(
+                400, f"the model {config.model_name!r} does not serve embeddings (an "
+                "encoder does: bert)", param="model",
+            )  # fmt: skip
+        adapter = adapter_of(body.model)
+        if body.dimensions is not None:
+            raise APIError(400, "dimensions is not supported", param="dimensions")
+        raw = body.input
+        if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
+            raw = [raw]  # one text, or one list of token ids
+        if not raw:
+            raise APIError(400, "input is empty", param="input")
+        try:  # off the event loop
+            rows = await asyncio.to_thread(
+                lambda: [x if isinstance(x, list) else tokenizer(x)["input_ids"] for x in raw]
+            )
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
+            raise APIError(400, f"the input cannot be tokenized: {e}", param="input") from e
+        try:
+            vectors = await on_engine(lambda: pipe.embed([(ids, adapter) for ids in rows]))
+        except ValueError as e:
+            raise APIError(400, str(e).replace("row ", "input ", 1), param="input") from e
+        tokens = sum(len(ids) for ids in rows)
+        metrics.prompt_tokens.inc(tokens)
+        data = []
+        for i, v in enumerate(vectors):
+            vec: Any = v.tolist()
+            if body.encoding_format == "base64":
+                vec = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody) -> Any:
+        generates()
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if isinstance(body.prompt, str):
@@ -833,6 +892,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody) -> Any:
+        generates()
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
                 400,

@@ -152,3 +152,40 @@ def test_embed_command(minilm, tmp_path, capsys):
         == 2
     )
     assert "is not an encoder" in capsys.readouterr().err
+
+
+def test_embeddings_over_http_with_the_openai_client(minilm):
+    """``POST /v1/embeddings`` through the ``openai`` client (base64 by default) and plain
+    JSON (float): each input under the adapter ``model`` names equals peft's; completions
+    on an encoder and an unknown model get a 400 naming the cause."""
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from lora_graph import server as S
+    from lora_graph.engine import LLMEngine
+
+    path, root, ref, ids = minilm
+    pipe = make(path, root, max_batch_size=4, max_num_batched_tokens=64)
+    app = S.create_app(LLMEngine(pipe), AutoTokenizer.from_pretrained(path),
+                       S.ServerConfig(model_name="minilm"))  # fmt: skip
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+        got = client.embeddings.create(model="all", input=[TEXTS[0], TEXTS[3]])
+        assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
+        for d, x in zip(got.data, (ids[0], ids[3]), strict=True):
+            torch.testing.assert_close(torch.tensor(d.embedding), expected(ref, x, "all"),
+                                       rtol=0, atol=2e-6)  # fmt: skip
+        r = http.post("/v1/embeddings", json={"model": "minilm", "input": ids[2]})
+        assert r.status_code == 200, r.text
+        vec = torch.tensor(r.json()["data"][0]["embedding"])
+        torch.testing.assert_close(vec, expected(ref, ids[2], None), rtol=0, atol=2e-6)
+        bad = {
+            "/v1/embeddings": ({"model": "nope", "input": "hi"}, "the model 'nope' does not exist"),
+            "/v1/completions": ({"model": "minilm", "prompt": "hi"}, "is an encoder"),
+        }
+        for route, (body, message) in bad.items():
+            r = http.post(route, json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        r = http.post("/v1/embeddings", json={"model": "qv", "input": []})
+        assert r.status_code == 400 and "input is empty" in r.text

@@ -247,6 +247,8 @@ def test_not_json_unknown_route_and_body_limit(served):
     for path in ("/nope", "/docs", "/openapi.json"):
         r = httpx.get(served.url + path, timeout=10)
         assert r.status_code == 404 and "error" in r.json(), path
+    r = httpx.post(served.url + "/v1/embeddings", json={"model": MODEL, "input": "hi"}, timeout=10)
+    assert r.status_code == 400 and "does not serve embeddings" in r.json()["error"]["message"]
     served.config.max_request_bytes = 1000
     try:
         r = httpx.post(
