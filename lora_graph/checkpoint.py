@@ -462,14 +462,21 @@ class AdapterReader:
         targets: the served targets, by name.
         module_map: places a checkpoint module name on a target slice (None: unmapped).
         num_layers: layers of the model.
+        ignored: checkpoint modules whose LoRA pairs cannot change what the model serves
+            (a BERT pooler under sentence embeddings): skipped, not refused.
     """
 
     def __init__(
-        self, targets: dict[str, LoraTarget], module_map: ModuleMap, num_layers: int
+        self,
+        targets: dict[str, LoraTarget],
+        module_map: ModuleMap,
+        num_layers: int,
+        ignored: frozenset[str] = frozenset(),
     ) -> None:
         self.targets = targets
         self.module_map = module_map
         self.num_layers = num_layers
+        self.ignored = ignored
 
     def check_config(self, name: str, config: dict[str, Any]) -> None:
         """Refuse PEFT features this engine does not serve as plain LoRA.
@@ -579,6 +586,8 @@ class AdapterReader:
                     f"(lora_{a_name} {list(a_shape)})"
                 )
             max_rank = max(max_rank, rank)
+            if module in self.ignored:
+                continue
             ref = self.module_map(module)
             if ref is None or ref.target not in self.targets:
                 unmapped.append(module)

@@ -143,11 +143,16 @@ def build_engine(
             pipeline.enable_compile(compile_mode, progress=progress)
         except ValueError as e:
             raise CliError(f"--compile {compile_mode}: {e}") from e
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        tokenizer = None
+    tokenizer = None
+    # (transformers 5 builds an empty tokenizer for a directory without tokenizer files)
+    if any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        with contextlib.suppress(OSError, ValueError):
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LLMEngine(pipeline, eos_token_ids=_eos_ids(model_dir, hf_config)), tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
+                    "vocab.json", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 
 
 def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine, Any]:
@@ -393,6 +398,9 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     }:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
+    model_type = _model_type(args.model)
+    if model_type is not None and hasattr(_pipeline_class(model_type), "embed"):
+        raise CliError(f"model {args.model!r} ({model_type}) is an encoder; use lora-graph embed")
     engine, tokenizer = _engine_from_args(args)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -422,18 +430,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         results.append(_output_json(out, tokenizer))
     if not args.requests and results[0].get("error") is not None:
         raise CliError(results[0]["error"])  # one prompt: its refusal is the command's
-    text = "".join(json.dumps(result) + "\n" for result in results)
-    if args.output:
-        try:
-            Path(args.output).write_text(text, encoding="utf-8")
-        except OSError as e:
-            stdout.write(text)
-            raise CliError(
-                f"--output {args.output}: cannot be written ({e.strerror or e}); "
-                "the results went to stdout"
-            ) from e
-    else:
-        stdout.write(text)
+    _write_results("".join(json.dumps(result) + "\n" for result in results), args.output, stdout)
     return 0
 
 
@@ -448,20 +445,18 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.adapter is not None and args.adapter not in {s.partition("=")[0] for s in args.lora}:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
-    from transformers import AutoConfig
-
-    from lora_graph.models import pipeline_class
-    from lora_graph.pipeline import resolve_model_path
-
-    with contextlib.suppress(OSError, ValueError):  # (build_engine reports those)
-        model_type = AutoConfig.from_pretrained(resolve_model_path(args.model)).model_type
-        if not hasattr(pipeline_class(model_type), "embed"):
-            raise CliError(f"model {args.model!r} ({model_type}) is not an encoder (embed: bert)")
-    args.compile, args.kv_cache_tokens = "none", None
+    model_type = _model_type(args.model)
+    if model_type is not None and not hasattr(_pipeline_class(model_type), "embed"):
+        raise CliError(f"model {args.model!r} ({model_type}) is not an encoder (embed: bert)")
+    if args.compile == "cudagraph":
+        raise CliError("--compile cudagraph is not verified for encoders yet; use inductor")
+    if args.kv_cache_tokens is not None:
+        raise CliError("--kv-cache-tokens: an encoder has no KV cache")
     engine, tokenizer = _engine_from_args(args)
     pipe = engine.pipeline
     known = set(pipe.manager.loras) if pipe.manager is not None else set()
-    limit = min(pipe.max_seq_len, pipe.max_num_batched_tokens)
+    limit, flag = min((pipe.max_seq_len, "--max-seq-len"),
+                      (pipe.max_num_batched_tokens, "--max-num-batched-tokens"))  # fmt: skip
 
     def row(obj: dict[str, Any]) -> tuple[list[int], str | None]:
         unknown = sorted(set(obj) - _EMBED_FIELDS)
@@ -477,18 +472,25 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
         elif tokenizer is None:
             raise ValueError("the model has no tokenizer; give input_ids")
         else:
+            try:
+                obj["text"].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text is not valid Unicode ({e.reason} at {e.start})") from None
             ids = tokenizer(obj["text"])["input_ids"]
         adapter = obj.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError("adapter must be a string or null")
         if adapter is not None and adapter not in known:
             raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
         if not 0 < len(ids) <= limit:
-            raise ValueError(f"{len(ids)} tokens (1 to {limit}: --max-seq-len)")
+            raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag})")
         vocab = pipe.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids, adapter
 
     entries: list[tuple[Any, tuple[list[int], str | None] | None, str | None]] = []
+    seen: set[str] = set()
     if args.requests:
         for n, line, error in lines:
             out_id: Any = f"line-{n}"
@@ -499,7 +501,13 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ValueError("a line must be a JSON object")
-                out_id = obj.get("id", out_id)
+                if obj.get("id") is not None:
+                    if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
+                        raise ValueError("id must be a string or an integer")
+                    if str(obj["id"]) in seen:
+                        raise ValueError(f"id {obj['id']!r} repeats an earlier line's id")
+                    seen.add(str(obj["id"]))
+                    out_id = obj["id"]
                 entries.append((out_id, row(obj), None))
             except (ValueError, TypeError, RecursionError) as e:
                 entries.append((out_id, None, f"line {n}: {e}"))
@@ -518,12 +526,40 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
             continue
         results.append({"id": out_id, "adapter": r[1], "embedding": vectors[k]})
         k += 1
-    text = "".join(json.dumps(result) + "\n" for result in results)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        stdout.write(text)
+    _write_results("".join(json.dumps(result) + "\n" for result in results), args.output, stdout)
     return 0
+
+
+def _model_type(model: str) -> str | None:
+    """The checkpoint's ``model_type`` read from its config alone (None if it cannot be read
+    here: :func:`build_engine` reports why)."""
+    from transformers import AutoConfig
+
+    from lora_graph.pipeline import resolve_model_path
+
+    with contextlib.suppress(OSError, ValueError):
+        return AutoConfig.from_pretrained(resolve_model_path(model)).model_type
+    return None
+
+
+def _pipeline_class(model_type: str) -> Any:
+    from lora_graph.models import PIPELINES
+
+    return PIPELINES.get(model_type, object)
+
+
+def _write_results(text: str, output: str | None, stdout: TextIO) -> None:
+    """The results to ``output``, or to stdout if it is None or cannot be written."""
+    if output is None:
+        stdout.write(text)
+        return
+    try:
+        Path(output).write_text(text, encoding="utf-8")
+    except OSError as e:
+        stdout.write(text)
+        raise CliError(
+            f"--output {output}: cannot be written ({e.strerror or e}); the results went to stdout"
+        ) from e
 
 
 def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:

@@ -15,7 +15,7 @@ place, so nothing is recompiled and no weight is re-bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,9 @@ class LoRAManager:
         num_layers: layers of the model.
         dtype: slot dtype (``config.dtype`` wins when set).
         device: where slots and routing live.
+        ignored_modules: checkpoint modules whose LoRA pairs cannot change what the model
+            serves: skipped when an adapter has them (every other unmapped module is
+            refused).
 
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new
@@ -75,6 +78,7 @@ class LoRAManager:
         num_layers: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        ignored_modules: Collection[str] = (),
     ) -> None:
         if config.targets is not None:
             unknown = set(config.targets) - set(targets)
@@ -89,7 +93,7 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = config.dtype or dtype
         self.layout = SlotLayout(targets, num_layers, config.max_rank)
-        self.reader = AdapterReader(targets, module_map, num_layers)
+        self.reader = AdapterReader(targets, module_map, num_layers, frozenset(ignored_modules))
         self.kernels = ops.kernels(config.backend, self.device)
         self.registry = AdapterRegistry()
         self.host = HostTier(

@@ -231,6 +231,7 @@ class PipelineModelWithKVCache(abc.ABC):
                 num_layers=self.num_layers,
                 dtype=self.dtype,
                 device=self.device,
+                ignored_modules=self.lora_ignored_modules(),
             )
         self._weights = weights
         self.model = self.load_model()
@@ -364,6 +365,11 @@ class PipelineModelWithKVCache(abc.ABC):
         if getattr(self, "_module_map", None) is None:
             self._module_map = module_map(self.lora_targets(), self.num_layers)
         return self._module_map(module)
+
+    def lora_ignored_modules(self) -> tuple[str, ...]:
+        """Checkpoint modules whose LoRA pairs cannot change what the model serves, skipped
+        when an adapter has them (default: none; every unmapped module is refused)."""
+        return ()
 
     def lora_module_path(self, target: str, layer: int) -> str:
         """A target's module path at ``layer``, from the table's ``module_path``."""

@@ -16,6 +16,7 @@ LoRA targets, fused as the model fuses them: ``qkv`` (PEFT's ``query``, ``key``,
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -207,6 +208,10 @@ def lora_targets(c: BertConfig) -> dict[str, LoraTarget]:
     }  # fmt: skip
 
 
+# heads a sentence embedding does not use: BertModel's pooler, the task models' heads
+_HEADS = ("pooler.", "cls.", "classifier.", "qa_outputs.")
+
+
 class BertPipeline(PipelineModelWithKVCache):
     """BERT encoders (``BertModel`` checkpoints, e.g. sentence-transformers'
     all-MiniLM-L6-v2) serving sentence embeddings, each row under its own adapter. No KV
@@ -228,18 +233,22 @@ class BertPipeline(PipelineModelWithKVCache):
     def lora_targets(self) -> dict[str, LoraTarget]:
         return lora_targets(self.config)
 
+    def lora_ignored_modules(self) -> tuple[str, ...]:
+        """The pooler (PEFT's ``dense`` also wraps it): a sentence embedding never reads it."""
+        return ("pooler.dense", "bert.pooler.dense")
+
     def compile_regions(self) -> list[nn.Module]:
         return list(self.model.encoder.layer)
 
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Drop ``bert.``, the pooler and the position-id buffer; fuse query/key/value
-        into ``qkv`` (weights and biases)."""
+        """Drop ``bert.``, the pooler, the task models' heads and the position-id buffer;
+        fuse query/key/value into ``qkv`` (weights and biases)."""
         out: dict[str, Tensor] = {}
         parts: dict[str, dict[int, Tensor]] = {}
         order = {"query": 0, "key": 1, "value": 2}
         for key, tensor in state_dict.items():
             name = key.removeprefix("bert.")
-            if name.startswith(("pooler.", "cls.")) or name == "embeddings.position_ids":
+            if name.startswith(_HEADS) or name == "embeddings.position_ids":
                 continue
             m = re.match(r"(encoder\.layer\.\d+\.attention\.self)\.(query|key|value)\.(\w+)$", name)
             if m:
@@ -262,19 +271,25 @@ class BertPipeline(PipelineModelWithKVCache):
         """
         known = self.manager.loras if self.manager is not None else ()
         vocab = self.config.vocab_size
+        limit = min(self.max_seq_len, self.max_num_batched_tokens)
+        checked = []
         for i, (ids, adapter) in enumerate(rows):
             try:
                 LoraReqConfig(adapter).validate(known)
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}") from None
-            if not ids or len(ids) > min(self.max_seq_len, self.max_num_batched_tokens):
-                raise ValueError(
-                    f"row {i}: {len(ids)} tokens (1 to "
-                    f"{min(self.max_seq_len, self.max_num_batched_tokens)})"
-                )
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-                   for t in ids):  # fmt: skip
+            try:  # Python, NumPy or 0-d tensor integers; not bools or floats
+                if any(isinstance(t, bool) for t in ids):
+                    raise TypeError
+                ids = [operator.index(t) for t in ids]
+            except TypeError:
+                raise ValueError(f"row {i}: token ids must be integers in [0, {vocab})") from None
+            if not 0 < len(ids) <= limit:
+                raise ValueError(f"row {i}: {len(ids)} tokens (1 to {limit})")
+            if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"row {i}: token ids must be integers in [0, {vocab})")
+            checked.append((ids, adapter))
+        rows = checked
         slots = self.manager.config.max_slots if self.manager is not None else 0
         out = torch.empty(len(rows), self.config.hidden_size)
         step: list[SeqChunk] = []

@@ -189,3 +189,13 @@ def test_variants_not_implemented_are_refused_at_start_up():
     with pytest.raises(ValueError, match="unsupported partial_rotary_factor"):
         LlamaConfig.from_hf(Phi3Config(**small, partial_rotary_factor=0.1))
     assert LlamaConfig.from_hf(Phi3Config(**small, partial_rotary_factor=0.5)).rotary_dim == 8
+
+
+def test_a_model_without_tokenizer_files_is_said_so(tiny_factory, capsys):
+    """transformers 5 builds an empty tokenizer for a directory without tokenizer files; the
+    command says the model has none instead of generating from nothing."""
+    from lora_graph.cli import main
+
+    t = tiny_factory("qwen3")
+    assert main(["generate", "--model", str(t.base), "--prompt", "hello", "--device", "cpu"]) == 2
+    assert "the model has no tokenizer" in capsys.readouterr().err

@@ -89,6 +89,7 @@ def test_each_row_matches_peft(minilm, limits):
 
 def test_bad_rows_and_adapters_are_refused(minilm, tmp_path):
     from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModel
 
     from lora_graph import AdapterError
@@ -101,14 +102,40 @@ def test_bad_rows_and_adapters_are_refused(minilm, tmp_path):
         pipe.embed([([101, 40000, 102], None)])
     with pytest.raises(ValueError, match="row 0: 0 tokens"):
         pipe.embed([([], "qv")])
-    # PEFT's "dense" also wraps the pooler, which a sentence embedding does not use: refused
+    # a module the encoder does not have is refused, naming it; the pipeline serves on
     model = get_peft_model(
-        AutoModel.from_pretrained(path), LoraConfig(r=4, target_modules=["dense"])
+        AutoModel.from_pretrained(path), LoraConfig(r=4, target_modules=["query"])
     )
-    model.save_pretrained(tmp_path / "pooler")
-    with pytest.raises(AdapterError, match="module pooler.dense is outside the served targets"):
-        pipe.manager.load_adapter(str(tmp_path / "pooler"), name="pooler")
+    model.save_pretrained(tmp_path / "bad")
+    weights = tmp_path / "bad" / "adapter_model.safetensors"
+    tensors = {k.replace("layer.0.attention.self.query", "layer.0.attention.self.nope"): v
+               for k, v in load_file(weights).items()}  # fmt: skip
+    save_file(tensors, weights)
+    config = tmp_path / "bad" / "adapter_config.json"
+    config.write_text(config.read_text().replace('"query"', '"query", "nope"'))
+    with pytest.raises(
+        AdapterError, match=r"module encoder\.layer\.0\.attention\.self\.nope is out"
+    ):
+        pipe.manager.load_adapter(str(tmp_path / "bad"), name="bad")
     assert torch.isfinite(pipe.embed([(ids[0], "qv")])).all()  # it serves on
+
+
+def test_lora_on_the_pooler_is_skipped(minilm, tmp_path):
+    """PEFT's ``dense`` also wraps the pooler, which a sentence embedding never reads: the
+    adapter is served (its pooler pair skipped) and equals peft's embedding."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModel
+
+    path, root, _, ids = minilm
+    torch.manual_seed(5)
+    lora = LoraConfig(r=4, target_modules=["dense"], init_lora_weights=False)
+    get_peft_model(AutoModel.from_pretrained(path), lora).save_pretrained(tmp_path / "dense")
+    pipe = make(path, root, max_batch_size=4, max_num_batched_tokens=64)
+    pipe.manager.load_adapter(str(tmp_path / "dense"), name="dense")
+    got = pipe.embed([(ids[0], "dense")])
+    ref = PeftModel.from_pretrained(AutoModel.from_pretrained(path), tmp_path / "dense").eval()
+    torch.testing.assert_close(got[0], expected(ref, ids[0], "default"), rtol=0, atol=2e-6)
+    assert float(got[0] @ expected(ref, ids[0], None)) < 0.999
 
 
 def test_embed_command(minilm, tmp_path, capsys):
@@ -189,3 +216,25 @@ def test_embeddings_over_http_with_the_openai_client(minilm):
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         r = http.post("/v1/embeddings", json={"model": "qv", "input": []})
         assert r.status_code == 400 and "input is empty" in r.text
+
+
+def test_cli_refusals(minilm, tmp_path, capsys):
+    """An encoder for generate, a decoder for embed, flags an encoder has no use for, an
+    output that cannot be written: each refused with its cause (exit status 2)."""
+    import io
+
+    from lora_graph.cli import main
+
+    path = minilm[0]
+    cases = [
+        (["generate", "--model", path, "--prompt", "hi"], "is an encoder; use lora-graph embed"),
+        (["embed", "--model", path, "--text", "hi", "--compile", "cudagraph"], "not verified"),
+        (["embed", "--model", path, "--text", "hi", "--kv-cache-tokens", "64"], "no KV cache"),
+        (["embed", "--model", path, "--text", "hi", "--output", "/dev/full"],
+         "cannot be written"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        out = io.StringIO()
+        assert main([*argv, "--device", "cpu"], stdout=out) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert '"embedding"' in out.getvalue()  # the unwritable output went to stdout
