@@ -163,10 +163,11 @@ class PagedAttention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
-        routing: Routing | None,
-    ) -> Tensor:  # fmt: skip
+    def project(self, x: Tensor, routing: Routing | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``x`` ``[T, hidden]`` to q ``[T, heads, head_dim]``, k and v ``[T, kv_heads,
+        head_dim]``, before RoPE: the fused projection, split, and the per-head q/k norms
+        if the model has them. A model that changes q/k/v here (OLMo's ``clip_qkv``, a
+        full-width q/k norm) overrides this method."""
         c = self.config
         n = x.shape[0]
         q, k, v = self.qkv_proj(x, routing).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -175,6 +176,15 @@ class PagedAttention(nn.Module):
         v = v.view(n, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
+        routing: Routing | None,
+    ) -> Tensor:  # fmt: skip
+        c = self.config
+        n = x.shape[0]
+        q, k, v = self.project(x, routing)
         cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv_cache.write(attn.slot_mapping, k, v)

@@ -221,13 +221,12 @@ class PeftReference:
         from transformers import AutoModelForCausalLM
 
         self.device = device
-        # eager attention: the models' own semantics (transformers 5.17's Gemma 2 under
-        # SDPA, its default there, drops the attention soft cap)
-        base = (
-            AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype, attn_implementation="eager")
-            .to(device)
-            .eval()
-        )
+        # the float32 truth runs eager attention, the models' own semantics (transformers
+        # 5.17's Gemma 2 under SDPA, its default there, drops the attention soft cap); a
+        # half-precision peer runs as users run it (the default attention)
+        attention = {"attn_implementation": "eager"} if dtype == torch.float32 else {}
+        base = AutoModelForCausalLM.from_pretrained(t.base, dtype=dtype, **attention)
+        base = base.to(device).eval()
         names = list(t.adapters)
         self.model = PeftModel.from_pretrained(
             base,
