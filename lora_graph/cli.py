@@ -476,14 +476,18 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
                 obj["text"].encode("utf-8")
             except UnicodeEncodeError as e:
                 raise ValueError(f"text is not valid Unicode ({e.reason} at {e.start})") from None
-            ids = tokenizer(obj["text"])["input_ids"]
+            if args.truncate:  # as sentence-transformers: cut, then the closing special token
+                ids = tokenizer(obj["text"], truncation=True, max_length=limit)["input_ids"]
+            else:
+                ids = tokenizer(obj["text"])["input_ids"]
         adapter = obj.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError("adapter must be a string or null")
         if adapter is not None and adapter not in known:
             raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
         if not 0 < len(ids) <= limit:
-            raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag})")
+            hint = "" if "input_ids" in obj or args.truncate else "; --truncate cuts texts"
+            raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag}{hint})")
         vocab = pipe.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
@@ -887,6 +891,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='one JSON object a line: {"id", "text" | "input_ids", "adapter"}',
     )
     emb.add_argument("--adapter", default=None, help="adapter for --text (default: the base model)")
+    emb.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut texts longer than --max-seq-len (keeping the closing special token), as "
+        "sentence-transformers does at its max_seq_length (default: refuse them); "
+        "all-MiniLM-L6-v2's is 256: --max-seq-len 256 --truncate embeds as it does",
+    )
     emb.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
     emb.set_defaults(func=cmd_embed, progress=False)
 

@@ -238,3 +238,28 @@ def test_cli_refusals(minilm, tmp_path, capsys):
         assert main([*argv, "--device", "cpu"], stdout=out) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert '"embedding"' in out.getvalue()  # the unwritable output went to stdout
+
+
+def test_embed_truncate_as_sentence_transformers(minilm, capsys):
+    """``--max-seq-len 256 --truncate``: a text longer than 256 tokens is cut as
+    sentence-transformers cuts it (the tokenizer's truncation, closing [SEP] kept) and
+    embedded as transformers computes that; without ``--truncate`` it is refused, naming
+    the flag. (Against sentence-transformers 6.2 itself, by hand: within 1.1e-7.)"""
+    import io
+    import json
+
+    from transformers import AutoTokenizer
+
+    from lora_graph.cli import main
+
+    path, root, ref, _ = minilm
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)
+    argv = ["embed", "--model", path, "--max-seq-len", "256", "--device", "cpu", "--text", long]
+    out = io.StringIO()
+    assert main([*argv, "--truncate"], stdout=out) == 0
+    ids = AutoTokenizer.from_pretrained(path)(long, truncation=True, max_length=256)["input_ids"]
+    assert len(ids) == 256
+    got = torch.tensor(json.loads(out.getvalue())["embedding"])
+    torch.testing.assert_close(got, expected(ref, ids, None), rtol=0, atol=2e-6)
+    assert main(argv, stdout=io.StringIO()) == 2
+    assert "(1 to 256: --max-seq-len; --truncate cuts texts)" in capsys.readouterr().err
