@@ -48,11 +48,13 @@ GEMMA2_CUDA = "not rerun on a GPU since its reference was fixed (Gemma2Pipeline 
 @pytest.mark.parametrize(
     "kind",
     [pytest.param(k, marks=pytest.mark.xfail(reason=GEMMA2_CUDA, strict=True))
-     if k == "gemma2" else k for k in KINDS],
+     if k == "gemma2" else k for k in [*KINDS, "tied", "qwen2_window", "llama3"]],
 )  # fmt: skip
 def test_gpu_mixed_batch_matches_peft(kind, tiny_factory, reference_factory, monkeypatch):
-    """On CUDA (the Triton kernels, float32): the interleaved batch against peft's logits.
-    (Gemma 2 is refused on CUDA until this passes for it: the test lifts the refusal.)"""
+    """On CUDA (the Triton kernels, float32): the interleaved batch against peft's logits,
+    for the new architectures and the Llama variants no other GPU test covers (tied
+    embeddings, per-layer windows, Llama-3 RoPE). (Gemma 2 is refused on CUDA until this
+    passes for it: the test lifts the refusal.)"""
     from lora_graph.models import Gemma2Pipeline
 
     monkeypatch.setattr(Gemma2Pipeline, "verified_on_cuda", True)

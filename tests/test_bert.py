@@ -263,3 +263,20 @@ def test_embed_truncate_as_sentence_transformers(minilm, capsys):
     torch.testing.assert_close(got, expected(ref, ids, None), rtol=0, atol=2e-6)
     assert main(argv, stdout=io.StringIO()) == 2
     assert "(1 to 256: --max-seq-len; --truncate cuts texts)" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_each_row_matches_peft(minilm):
+    """On CUDA (float32; the Triton LoRA kernels): each row against peft on the CPU."""
+    from lora_graph import LoRAConfig
+    from lora_graph.models import pipeline_class
+
+    path, root, ref, ids = minilm
+    pipe = pipeline_class("bert")(path, max_seq_len=128, device="cuda",
+                                  lora=LoRAConfig(max_slots=2, max_rank=8))  # fmt: skip
+    for name in ("qv", "all"):
+        pipe.manager.load_adapter(str(root / name), name=name)
+    got = pipe.embed(list(zip(ids, MIX, strict=True)))
+    for i, (x, adapter) in enumerate(zip(ids, MIX, strict=True)):
+        torch.testing.assert_close(got[i], expected(ref, x, adapter), rtol=0, atol=1e-4)
