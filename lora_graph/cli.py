@@ -64,10 +64,13 @@ def build_engine(
     gpu_memory_utilization: float = 0.9,
     progress: bool = True,
     enable_lora: bool = False,
+    encoder: bool | None = False,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
     ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
-    loads adapters at run time).
+    loads adapters at run time). ``encoder`` says which models the command serves: False a
+    decoder (generate), True an encoder (embed), None either (serve); another is refused
+    from its config, before its weights are read.
 
     Raises:
         CliError: if the model or an adapter cannot be loaded (the message names which).
@@ -102,6 +105,11 @@ def build_engine(
         model_dir = resolve_model_path(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         cls = pipeline_class(hf_config.model_type)
+        kind = f"model {model!r} ({hf_config.model_type})"
+        if encoder is False and hasattr(cls, "embed"):
+            raise CliError(f"{kind} is an encoder; use lora-graph embed")
+        if encoder is True and not hasattr(cls, "embed"):
+            raise CliError(f"{kind} is not an encoder (embed: bert)")
         if max_seq_len is None:
             max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
         lora = (
@@ -398,9 +406,6 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     }:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
-    model_type = _model_type(args.model)
-    if model_type is not None and hasattr(_pipeline_class(model_type), "embed"):
-        raise CliError(f"model {args.model!r} ({model_type}) is an encoder; use lora-graph embed")
     engine, tokenizer = _engine_from_args(args)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -445,14 +450,11 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.adapter is not None and args.adapter not in {s.partition("=")[0] for s in args.lora}:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
     lines = _read_request_lines(args.requests) if args.requests else []
-    model_type = _model_type(args.model)
-    if model_type is not None and not hasattr(_pipeline_class(model_type), "embed"):
-        raise CliError(f"model {args.model!r} ({model_type}) is not an encoder (embed: bert)")
     if args.compile == "cudagraph":
         raise CliError("--compile cudagraph is not verified for encoders yet; use inductor")
     if args.kv_cache_tokens is not None:
         raise CliError("--kv-cache-tokens: an encoder has no KV cache")
-    engine, tokenizer = _engine_from_args(args)
+    engine, tokenizer = _engine_from_args(args, encoder=True)
     pipe = engine.pipeline
     known = set(pipe.manager.loras) if pipe.manager is not None else set()
     limit, flag = min((pipe.max_seq_len, "--max-seq-len"),
@@ -534,24 +536,6 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
     return 0
 
 
-def _model_type(model: str) -> str | None:
-    """The checkpoint's ``model_type`` read from its config alone (None if it cannot be read
-    here: :func:`build_engine` reports why)."""
-    from transformers import AutoConfig
-
-    from lora_graph.pipeline import resolve_model_path
-
-    with contextlib.suppress(OSError, ValueError):
-        return AutoConfig.from_pretrained(resolve_model_path(model)).model_type
-    return None
-
-
-def _pipeline_class(model_type: str) -> Any:
-    from lora_graph.models import PIPELINES
-
-    return PIPELINES.get(model_type, object)
-
-
 def _write_results(text: str, output: str | None, stdout: TextIO) -> None:
     """The results to ``output``, or to stdout if it is None or cannot be written."""
     if output is None:
@@ -603,7 +587,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
             "use it",
             file=sys.stderr,
         )
-    engine, tokenizer = _engine_from_args(args, enable_lora=args.allow_runtime_lora)
+    engine, tokenizer = _engine_from_args(args, enable_lora=args.allow_runtime_lora, encoder=None)
     if tokenizer is None:
         raise CliError(f"--model {args.model!r}: no tokenizer found; the server needs one")
     config = server.ServerConfig(

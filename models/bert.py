@@ -17,7 +17,6 @@ LoRA targets, fused as the model fuses them: ``qkv`` (PEFT's ``query``, ``key``,
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 
 from lora_graph.config import LoraReqConfig
 from lora_graph.layers import Linear
+from lora_graph.models.blocks import fuse_checkpoint
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
 from lora_graph.step import SeqChunk
@@ -208,6 +208,7 @@ def lora_targets(c: BertConfig) -> dict[str, LoraTarget]:
     }  # fmt: skip
 
 
+_FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 # heads a sentence embedding does not use: BertModel's pooler, the task models' heads
 _HEADS = ("pooler.", "cls.", "classifier.", "qa_outputs.")
 
@@ -243,21 +244,15 @@ class BertPipeline(PipelineModelWithKVCache):
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Drop ``bert.``, the pooler, the task models' heads and the position-id buffer;
         fuse query/key/value into ``qkv`` (weights and biases)."""
-        out: dict[str, Tensor] = {}
-        parts: dict[str, dict[int, Tensor]] = {}
-        order = {"query": 0, "key": 1, "value": 2}
-        for key, tensor in state_dict.items():
-            name = key.removeprefix("bert.")
-            if name.startswith(_HEADS) or name == "embeddings.position_ids":
-                continue
-            m = re.match(r"(encoder\.layer\.\d+\.attention\.self)\.(query|key|value)\.(\w+)$", name)
-            if m:
-                parts.setdefault(f"{m.group(1)}.qkv.{m.group(3)}", {})[order[m.group(2)]] = tensor
-            else:
-                out[name] = tensor
-        for name, pieces in parts.items():
-            out[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
-        return out
+        renamed = {
+            name: tensor
+            for key, tensor in state_dict.items()
+            if not (name := key.removeprefix("bert.")).startswith(_HEADS)
+            and name != "embeddings.position_ids"
+        }
+        return fuse_checkpoint(
+            renamed, {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
+        )
 
     @torch.inference_mode()
     def embed(self, rows: Sequence[tuple[Sequence[int], str | None]]) -> Tensor:

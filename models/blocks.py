@@ -232,6 +232,28 @@ class GatedMLP(nn.Module):
         return self.down_proj(h, routing)
 
 
+def fuse_checkpoint(
+    state_dict: dict[str, Tensor], fused: dict[str, tuple[str, int]]
+) -> dict[str, Tensor]:
+    """A checkpoint with separate projections fused as the model fuses them: a key
+    ``<parent>.<module>.<param>`` whose ``module`` is in ``fused`` (``{"k_proj":
+    ("qkv_proj", 1)}``) joins ``<parent>.<fused name>.<param>``, the pieces concatenated
+    along the output rows in slice order; other keys pass through."""
+    out: dict[str, Tensor] = {}
+    parts: dict[str, dict[int, Tensor]] = {}
+    for key, tensor in state_dict.items():
+        path, _, param = key.rpartition(".")
+        parent, _, module = path.rpartition(".")
+        if module in fused:
+            name, index = fused[module]
+            parts.setdefault(f"{parent}.{name}.{param}", {})[index] = tensor
+        else:
+            out[key] = tensor
+    for key, pieces in parts.items():
+        out[key] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+    return out
+
+
 __all__ = [
     "AttentionMetadata",
     "GatedMLP",
@@ -239,6 +261,7 @@ __all__ = [
     "PagedKVCache",
     "RMSNorm",
     "apply_rope",
+    "fuse_checkpoint",
     "rope_inv_freq",
     "rope_tables",
 ]

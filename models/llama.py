@@ -17,7 +17,6 @@ and nothing else.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from lora_graph.models.blocks import (
     PagedAttention,
     PagedKVCache,
     RMSNorm,
+    fuse_checkpoint,
     rope_tables,
 )
 from lora_graph.pipeline import PipelineModelWithKVCache
@@ -355,21 +355,12 @@ def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     Drops the ``model.`` prefix and concatenates q/k/v into ``qkv_proj`` and gate/up into
     ``gate_up_proj`` (weights and biases), in slice order (Phi-3 stores them fused).
     """
-    out: dict[str, Tensor] = {}
-    parts: dict[str, dict[int, Tensor]] = {}
-    for key, tensor in state_dict.items():
-        name = key.removeprefix("model.")
-        if "rotary_emb" in name:
-            continue
-        m = re.match(r"(layers\.\d+\.(?:self_attn|mlp))\.(\w+)\.(weight|bias)$", name)
-        if m and m.group(2) in _FUSED:
-            fused, idx = _FUSED[m.group(2)]
-            parts.setdefault(f"{m.group(1)}.{fused}.{m.group(3)}", {})[idx] = tensor
-        else:
-            out[name] = tensor
-    for name, pieces in parts.items():
-        out[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
-    return out
+    renamed = {
+        key.removeprefix("model."): tensor
+        for key, tensor in state_dict.items()
+        if "rotary_emb" not in key
+    }
+    return fuse_checkpoint(renamed, _FUSED)
 
 
 class LlamaPipeline(PipelineModelWithKVCache):
