@@ -166,9 +166,14 @@ class PipelineModelWithKVCache(abc.ABC):
             the directory's safetensors (benchmarks build models in memory).
 
     Raises:
-        FileNotFoundError, ValueError: for a model that cannot be found or is not supported.
+        FileNotFoundError, ValueError: for a model that cannot be found or is not supported
+            (or a CUDA device for an architecture not :attr:`verified_on_cuda`).
         MemoryBudgetError: if the KV cache cannot hold one request of ``max_seq_len``.
     """
+
+    #: False for an architecture whose CUDA parity test (against ``transformers`` + ``peft``)
+    #: has not passed on a GPU yet: a CUDA device is then refused at start-up.
+    verified_on_cuda: bool = True
 
     def __init__(
         self,
@@ -207,6 +212,11 @@ class PipelineModelWithKVCache(abc.ABC):
         self.model_dir = resolve_model_path(model_path)
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not self.verified_on_cuda:
+            raise ValueError(
+                f"{type(self).__name__} is not verified on CUDA yet (its GPU parity test has "
+                "not passed); serve it on the CPU (--device cpu)"
+            )
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -216,7 +216,12 @@ _HEADS = ("pooler.", "cls.", "classifier.", "qa_outputs.")
 class BertPipeline(PipelineModelWithKVCache):
     """BERT encoders (``BertModel`` checkpoints, e.g. sentence-transformers'
     all-MiniLM-L6-v2) serving sentence embeddings, each row under its own adapter. No KV
-    cache: a step is whole sentences; :meth:`embed` runs a list of them."""
+    cache: a step is whole sentences; :meth:`embed` runs a list of them.
+
+    Refused on CUDA until ``tests/test_bert.py::test_gpu_each_row_matches_peft`` has passed
+    on a GPU (:attr:`verified_on_cuda`)."""
+
+    verified_on_cuda = False
 
     def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
         return {"tokens": ("T",), "positions": ("T",), "query_start": ("S+1",)}

@@ -129,22 +129,11 @@ class Gemma2Model(LlamaModel):
 class Gemma2Pipeline(LlamaPipeline):
     """Gemma 2 checkpoints in Hugging Face format.
 
-    CPU only until verified on a GPU (:attr:`verified_on_cuda`): on the H200 (2026-12-01)
-    ``tests/test_architectures.py::test_gpu_mixed_batch_matches_peft`` failed for Gemma 2
-    (relative error 0.44), but its reference was at fault: transformers 5.17 runs Gemma 2
-    under SDPA by default, which drops the attention soft cap, and this engine without the
-    cap differs from it with the cap by the same 0.44 on the CPU. The reference now runs
-    eager attention; the GPU test has not been rerun since.
+    Verified on CUDA on the H200 (2026-12-02):
+    ``tests/test_architectures.py::test_gpu_mixed_batch_matches_peft`` passes for Gemma 2
+    against a reference that runs eager attention (transformers 5.17's default SDPA drops
+    the attention soft cap, and a reference without it differs by 0.44).
     """
 
     config_class = Gemma2Config
     model_class = Gemma2Model
-    verified_on_cuda = False
-
-    def _create_model_config(self, hf_config: Any) -> Gemma2Config:
-        if self.device.type == "cuda" and not self.verified_on_cuda:
-            raise ValueError(
-                "Gemma 2 is not verified on CUDA yet (its GPU parity test has not passed); "
-                "serve it on the CPU (--device cpu)"
-            )
-        return super()._create_model_config(hf_config)

