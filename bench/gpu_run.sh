@@ -43,7 +43,7 @@ for stage in "$@"; do
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
     serve)
-      python3 bench/serve.py --peft-requests 2 --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
+      python3 bench/serve.py --peft-requests 2 --compare-sync --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
     loracost)

@@ -115,6 +115,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
     p.add_argument("--skip-base", action="store_true", help="do not run the base-only engine")
+    p.add_argument(
+        "--compare-sync",
+        action="store_true",
+        help="also serve each engine's workload with async_scheduling off (every step's "
+        "tokens read back before the next is scheduled), on the same captured graphs",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default="bench/out/serve.json")
@@ -326,6 +332,12 @@ def main() -> None:
         m["capture_s"] = capture
         results["runs"][label] = m
         print(f"{label}: {summary(m)}", flush=True)
+        if args.compare_sync:
+            engine = LLMEngine(pipe, async_scheduling=False)
+            m = serve(engine, reqs, args.output_len, base_only=base_only)
+            m["capture_s"] = capture
+            results["runs"][f"{label} (sync)"] = m
+            print(f"{label} (sync): {summary(m)}", flush=True)
         del engine, pipe
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -18,7 +18,10 @@ first come first served:
    least recently used adapter not running gives up its slot when one is needed.
 
 Requests leave on EOS, a stop token, ``max_new_tokens`` or ``max_seq_len``; their pages
-and adapter hold are returned.
+and adapter hold are returned. With asynchronous scheduling (:class:`LLMEngine`) a step
+is scheduled while the one before it still runs: a request whose last token is still on
+the device decodes with that token fed on the device, unless that token ends it by
+length.
 """
 
 from __future__ import annotations
@@ -140,6 +143,20 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)  # its block table
     computed: int = 0  # tokens whose K and V are in its pages
     bypassed: int = 0  # later requests admitted while it waited for a slot
+    pending: int = 0  # tokens sampled on the device that the host has not read yet
+    done: bool = False  # finished (a step still in flight skips it)
+
+    @property
+    def known(self) -> int:
+        """Its length counting the tokens still on the device."""
+        return len(self.tokens) + self.pending
+
+    def ends_with_pending(self, max_seq_len: int) -> bool:
+        """Whether the tokens still on the device end it by length (it is not run again)."""
+        return self.pending > 0 and (
+            len(self.generated) + self.pending >= self.request.sampling.max_new_tokens
+            or self.known >= max_seq_len
+        )
 
     @property
     def adapter(self) -> str | None:
@@ -147,17 +164,51 @@ class _Sequence:
         return self.hold.key if self.hold is not None else self.request.adapter
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A step whose sampled tokens the host has not read yet (asynchronous scheduling):
+    ``rows[j]`` is the logits row of ``seqs[j]``; ``device`` holds ``[2, S]`` (NaN flag,
+    greedy token) per row on the step's device, ``host`` its copy, complete once ``done``
+    (a CUDA event; None on the CPU) has passed; ``hot`` the float32 logits of the rows that
+    sample at a temperature (read at once)."""
+
+    seqs: list[_Sequence]
+    rows: list[int]
+    device: Tensor
+    host: Tensor
+    done: torch.cuda.Event | None
+    hot: dict[int, Tensor]
+
+
 class LLMEngine:
     """Serves requests through a pipeline, continuously batched in packed steps.
+
+    Asynchronous scheduling (``async_scheduling``, the default; vLLM's option of the same
+    name): :meth:`step` queues a step on the device, then reads back the *previous* step's
+    sampled tokens while this one runs, so the host's scheduling and input building for a
+    step overlaps the device's work on the one before instead of leaving the device idle.
+    A decoding request's next input token, not yet on the host when its next step is
+    built, is copied on the device from the previous step's greedy tokens
+    (``SeqChunk.fed_from``). A request that ends by length is not scheduled past its end;
+    one that ends on a token the host reads one step late (EOS, a stop token, NaN logits)
+    has run one extra row, discarded. A step with a row that samples at a temperature is
+    read at once (its logits come to the host for :func:`sample`). Outputs are the same
+    either way.
 
     Args:
         pipeline: the loaded model (its ``max_batch_size`` bounds the running requests,
             its ``max_step_tokens`` a step's tokens, its page pool their KV cache).
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
+        async_scheduling: overlap each step's host work with the previous step's device
+            work (above); False reads every step's tokens before the next is scheduled.
     """
 
     def __init__(
-        self, pipeline: PipelineModelWithKVCache, *, eos_token_ids: tuple[int, ...] = ()
+        self,
+        pipeline: PipelineModelWithKVCache,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        async_scheduling: bool = True,
     ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -171,6 +222,16 @@ class LLMEngine:
         self.tokens_generated = 0
         self._live: set[str] = set()  # ids of the waiting and running requests
         self._new_tokens: list[tuple[str, int]] = []
+        self.async_scheduling = async_scheduling
+        self._in_flight: _InFlight | None = None
+        # two pinned buffers the in-flight steps' [2, S] tokens are copied into, in turn
+        # (flat: a step's [2, S] is a contiguous prefix, so the copy needs no staging)
+        pin = pipeline.device.type == "cuda"
+        self._readback = [
+            torch.zeros(2 * pipeline.max_batch_size, dtype=torch.int64, pin_memory=pin)
+            for _ in range(2)
+        ]
+        self._steps_run = 0
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -206,7 +267,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a waiting or running request: it finishes with ``error="aborted"`` (and the
         tokens it had), its pages are freed, and its adapter is no longer held by it.
-        Returns False if no such request is unfinished."""
+        Returns False if no such request is unfinished. Its output holds the tokens
+        :meth:`step` has returned for it (one a step in flight sampled is dropped)."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request.id == request_id:
@@ -240,6 +302,7 @@ class LLMEngine:
     def _finish(self, seq: _Sequence, output: RequestOutput) -> None:
         """A request leaves (it is out of the queues already): its output, and what it held
         given back."""
+        seq.done = True
         self._release(seq)
         self._live.discard(seq.request.id)
         self.finished[seq.request.id] = output
@@ -273,9 +336,12 @@ class LLMEngine:
         scheduled: list[tuple[_Sequence, int]] = []
         taken: set[int] = set()  # ids of the sequences scheduled
         preempted = False
+        limit = self.pipeline.max_seq_len
         for seq in list(self.running):  # decodes first: one token each
-            if seq not in self.running or len(seq.tokens) - seq.computed != 1 or budget == 0:
+            if seq not in self.running or seq.known - seq.computed != 1 or budget == 0:
                 continue
+            if seq.ends_with_pending(limit):
+                continue  # its last token is on the device already
             need = self.pages.pages_for(seq.computed + 1) - len(seq.pages)
             while need > self.pages.num_free:
                 victims = [s for s in self.running if id(s) not in taken and s is not seq]
@@ -293,8 +359,8 @@ class LLMEngine:
         for seq in self.running:  # then the next chunk of prompts being prefilled
             if budget == 0:
                 break
-            if id(seq) in taken:
-                continue
+            if id(seq) in taken or len(seq.tokens) <= seq.computed:
+                continue  # (decoding: its next token is on the device, or ends it)
             n = min(len(seq.tokens) - seq.computed, budget)
             scheduled.append((seq, n))
             taken.add(id(seq))
@@ -322,6 +388,8 @@ class LLMEngine:
         first_blocked: _Sequence | None = None
         while self.waiting and budget > 0 and len(self.running) < limit:
             seq = self.waiting[0]
+            if seq.pending:
+                break  # preempted with a token still on the device: next step
             # its prompt's pages, and one spare page a running request (their next
             # tokens), so a new request is not preempted at once by the running ones
             if self.pages.pages_for(len(seq.tokens)) + len(self.running) > self.pages.num_free:
@@ -362,27 +430,40 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def step(self) -> list[tuple[str, int]]:
-        """Schedule and run one packed step; return the tokens it produced,
-        ``(request id, token)`` in step order (a caller streams them).
+        """Schedule and run one packed step; return the tokens produced since the last
+        call, ``(request id, token)`` in step order (a caller streams them): with
+        ``async_scheduling``, those of the step before this one (this one's are read on
+        the next call, or at once if a row samples at a temperature).
 
         An adapter whose weights cannot be read back into a slot (its file was deleted or
         changed after it left the host tier) fails its own requests with an ``error``; the
         others are served on.
         """
-        self._new_tokens = []
+        previous, self._in_flight = self._in_flight, None
         scheduled = self._schedule()
-        if not scheduled:
-            return self._new_tokens
-        try:
-            self._run(scheduled)
-        except AdapterError as e:
-            if e.adapter is None:
-                raise
-            self._fail_adapter(e.adapter, str(e))
-        return self._new_tokens
+        if scheduled:
+            try:
+                self._in_flight = self._run(scheduled, previous)
+            except AdapterError as e:
+                if e.adapter is None:
+                    raise
+                self._fail_adapter(e.adapter, str(e))
+        if previous is not None:
+            self._read_back(previous)
+        current = self._in_flight
+        if current is not None and (current.hot or not self.async_scheduling):
+            self._drain()
+        out, self._new_tokens = self._new_tokens, []
+        return out
+
+    def _drain(self) -> None:
+        """Read back the step in flight, if any."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._read_back(step)
 
     def _fail_adapter(self, key: str, error: str) -> None:
         """Finish every request routed to adapter version ``key`` with ``error``."""
@@ -394,37 +475,59 @@ class LLMEngine:
                                        error),
                 )  # fmt: skip
 
-    def _run(self, scheduled: list[tuple[_Sequence, int]]) -> None:
-        chunks = [
-            SeqChunk(s.adapter, s.tokens[s.computed : s.computed + n], s.computed, s.pages, s)
-            for s, n in scheduled
-        ]
-        inputs = self.pipeline.prepare(chunks)
+    def _run(self, scheduled: list[tuple[_Sequence, int]], previous: _InFlight | None) -> _InFlight:
+        """Queue one step on the device and its greedy tokens' copy to the host."""
+        fed = {}  # a decoding request's input token still on the device: its previous row
+        if previous is not None:
+            fed = {id(q): row for q, row in zip(previous.seqs, previous.rows, strict=True)}
+        chunks = []
+        for s, n in scheduled:
+            tokens = s.tokens[s.computed : s.computed + n]
+            row = None
+            if len(tokens) < n:  # a decode whose input the previous step sampled
+                row, tokens = fed[id(s)], [0]
+            chunks.append(SeqChunk(s.adapter, tokens, s.computed, s.pages, s, row))
+        inputs = self.pipeline.prepare(
+            chunks, fed_tokens=previous.device[1] if previous is not None else None
+        )
         logits = self.pipeline.execute(inputs)
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
             c.owner.computed += len(c.token_ids)
-        # requests whose tokens are all computed sample their next one
-        rows = [i for i, c in enumerate(inputs.chunks) if c.owner.computed == len(c.owner.tokens)]
-        if rows:
-            if rows == list(range(len(rows))):
-                picked = logits[: len(rows)]
-            else:
-                picked = logits[torch.tensor(rows, device=logits.device)]
-            self._sample_and_advance([inputs.chunks[i].owner for i in rows], picked)
+        # requests whose tokens are all computed sample their next one: on the device, the
+        # NaN check and the greedy token of every row, copied to the host without waiting
+        rows = [i for i, c in enumerate(inputs.chunks) if c.owner.computed == c.owner.known]
+        seqs = [inputs.chunks[i].owner for i in rows]
+        width = len(inputs.chunks)
+        device = torch.stack(
+            (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
+        )
+        host = self._readback[self._steps_run % 2][: 2 * width].view(2, width)
+        self._steps_run += 1
+        host.copy_(device, non_blocking=host.is_pinned())
+        done = None
+        if host.is_pinned():
+            done = torch.cuda.Event()
+            done.record()
+        hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
+               if s.request.sampling.temperature > 0}  # fmt: skip
+        for s in seqs:
+            s.pending += 1
+        return _InFlight(seqs, rows, device, host, done, hot)
 
-    def _sample_and_advance(self, seqs: list[_Sequence], logits: Tensor) -> None:
-        # on the device: the NaN check and every greedy token; only the rows that sample
-        # at a temperature come to the host (a step's logits are [S, vocab] float32)
-        bad_rows, greedy = torch.stack(
-            (torch.isnan(logits).any(dim=-1).long(), logits.argmax(dim=-1))
-        ).tolist()
-        hot = [i for i, s in enumerate(seqs) if s.request.sampling.temperature > 0]
-        rows = dict(zip(hot, logits[hot].float().cpu(), strict=True)) if hot else {}
+    def _read_back(self, step: _InFlight) -> None:
+        """Read a queued step's sampled tokens (waiting for the device if it has not got
+        there): append each to its request, stream it, finish the requests that end."""
+        if step.done is not None:
+            step.done.synchronize()
+        bad_rows, greedy = step.host.tolist()
         now = time.perf_counter()
-        for i, (seq, bad) in enumerate(zip(seqs, bad_rows, strict=True)):
-            if bad:  # a fault of the model's numerics (a half-precision overflow), not the request
-                self.running.remove(seq)
+        for row, seq in zip(step.rows, step.seqs, strict=True):
+            seq.pending -= 1
+            if seq.done:  # finished while this step ran (aborted, or ended a step earlier)
+                continue
+            if bad_rows[row]:  # a fault of the model's numerics (a half-precision overflow)
+                self._leave(seq)
                 self._finish(
                     seq,
                     RequestOutput(
@@ -437,7 +540,9 @@ class LLMEngine:
                 )
                 continue
             token = (
-                greedy[i] if i not in rows else sample(rows[i], seq.request.sampling, seq.generator)
+                greedy[row]
+                if row not in step.hot
+                else sample(step.hot[row], seq.request.sampling, seq.generator)
             )
             self.tokens_generated += 1
             seq.tokens.append(token)
@@ -446,7 +551,7 @@ class LLMEngine:
             self._new_tokens.append((seq.request.id, token))
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.running.remove(seq)
+                self._leave(seq)
                 self._finish(
                     seq,
                     RequestOutput(
@@ -458,6 +563,10 @@ class LLMEngine:
                         token_times=seq.token_times,
                     ),
                 )
+
+    def _leave(self, seq: _Sequence) -> None:
+        """Take a request out of its queue (running, or waiting after a preemption)."""
+        (self.running if seq in self.running else self.waiting).remove(seq)
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         s = seq.request.sampling

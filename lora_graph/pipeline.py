@@ -480,8 +480,16 @@ class PipelineModelWithKVCache(abc.ABC):
         return self.max_num_batched_tokens
 
     # ---- running ----------------------------------------------------------------------
-    def prepare(self, chunks: Sequence[SeqChunk], *, all_logits: bool = False) -> ModelInputs:
-        """Make the chunks' adapters active and build the step's inputs.
+    def prepare(
+        self,
+        chunks: Sequence[SeqChunk],
+        *,
+        all_logits: bool = False,
+        fed_tokens: Tensor | None = None,
+    ) -> ModelInputs:
+        """Make the chunks' adapters active and build the step's inputs (a chunk with a
+        ``fed_from`` row gets its token from ``fed_tokens`` on the device:
+        :meth:`StepBuffer.fill`).
 
         The chunks are put in step order (sorted by adapter, base last:
         :attr:`ModelInputs.chunks`, one logits row each). A step where no chunk names an
@@ -509,7 +517,7 @@ class PipelineModelWithKVCache(abc.ABC):
             width = (n, len(chunks))
         else:
             width = self.graphs.width(n, len(chunks))
-        inputs = self.step_buffer.fill(chunks, width)
+        inputs = self.step_buffer.fill(chunks, width, fed_tokens)
         routing = None
         if any(c.adapter is not None for c in chunks):
             routing = self.manager.route(chunks, offsets)

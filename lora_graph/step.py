@@ -52,6 +52,11 @@ STEP_INPUTS: dict[str, tuple[str, ...]] = {
 }
 
 
+# the buffer's own fields after the declared inputs: for the chunks whose token is fed from
+# the device (``SeqChunk.fed_from``), that token's index in the step and its source row
+_FEED: dict[str, tuple[str, ...]] = {"fed_dst": ("S",), "fed_src": ("S",)}
+
+
 @dataclass(eq=False)
 class SeqChunk:
     """One request's part of a step.
@@ -63,6 +68,10 @@ class SeqChunk:
             of the first token here).
         pages: its block table, covering at least ``start + len(token_ids)`` positions.
         owner: the caller's object for this request (the engine's sequence).
+        fed_from: for a one-token chunk whose token is still on the device (the previous
+            step sampled it and the host has not read it yet): its row in the ``fed_tokens``
+            passed to :meth:`StepBuffer.fill`, which writes it in place of ``token_ids[0]``
+            on the device. None: ``token_ids`` are the tokens.
     """
 
     adapter: str | None
@@ -70,6 +79,7 @@ class SeqChunk:
     start: int = 0
     pages: Sequence[int] = ()
     owner: Any = None
+    fed_from: int | None = None
 
 
 @dataclass
@@ -119,9 +129,10 @@ class StepBuffer:
         size = {"T": max_tokens, "S": max_seqs, "S+1": max_seqs + 1, "P": max_pages}
         self._start: dict[str, int] = {}
         total = 0
-        for name in self.names:
+        # the declared inputs, then the fed tokens' step indices and source rows (``fed_from``)
+        for name, dims in [*((n, STEP_INPUTS[n]) for n in self.names), *_FEED.items()]:
             self._start[name] = total
-            numel = int(np.prod([size[d] for d in STEP_INPUTS[name]]))
+            numel = int(np.prod([size[d] for d in dims]))
             total += -(-numel // 4) * 4  # each field on a 16-byte boundary
         pin = device.type == "cuda"
         self._device = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
@@ -141,12 +152,20 @@ class StepBuffer:
             out[name] = self._device[start : start + int(np.prod(shape))].view(*shape)
         return out
 
-    def fill(self, chunks: Sequence[SeqChunk], width: tuple[int, int]) -> dict[str, Tensor]:
-        """Write a step's inputs, padded to ``width``, and copy them to the device.
+    def fill(
+        self,
+        chunks: Sequence[SeqChunk],
+        width: tuple[int, int],
+        fed_tokens: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Write a step's inputs, padded to ``width``, and copy them to the device; then,
+        on the device, each chunk's token that has a ``fed_from`` row is taken from
+        ``fed_tokens`` (integer ``[R]`` on the step's device; no host sync).
 
         Raises:
-            ValueError: if the chunks do not fit ``width`` or the buffer, or a chunk's
-                pages do not cover its tokens.
+            ValueError: if the chunks do not fit ``width`` or the buffer, a chunk's pages
+                do not cover its tokens, or a chunk has a ``fed_from`` but no one-token
+                chunk, no ``fed_tokens`` or no ``tokens`` input to take it.
         """
         t, s = width
         n = sum(len(c.token_ids) for c in chunks)
@@ -188,6 +207,15 @@ class StepBuffer:
         # per token: its request, its position, where its K and V go
         owner = np.repeat(np.arange(len(chunks)), lens)
         pos = np.arange(n) - np.repeat(query_start[: len(chunks)] - starts, lens)
+        fed = [(i, c.fed_from) for i, c in enumerate(chunks) if c.fed_from is not None]
+        if fed and (fed_tokens is None or "tokens" not in want):
+            missing = "fed_tokens" if fed_tokens is None else "tokens input"
+            raise ValueError(f"a chunk's token is fed from the device, but there is no {missing}")
+        if any(lens[i] != 1 for i, _ in fed):
+            raise ValueError("only a one-token chunk can have its token fed from the device")
+        if fed:
+            field_("fed_dst", len(fed))[...] = [query_start[i] for i, _ in fed]
+            field_("fed_src", len(fed))[...] = [row for _, row in fed]
         if "tokens" in want:
             tokens = field_("tokens", t)
             tokens[...] = 0
@@ -211,7 +239,12 @@ class StepBuffer:
         self._device.copy_(self._staging, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        return self.views(width)
+        views = self.views(width)
+        if fed:
+            k = len(fed)
+            dst, src = (self._device[self._start[f] : self._start[f] + k].long() for f in _FEED)
+            views["tokens"].index_copy_(0, dst, fed_tokens.index_select(0, src).to(torch.int32))
+        return views
 
 
 __all__ = ["STEP_INPUTS", "ModelInputs", "SeqChunk", "StepBuffer"]

@@ -45,12 +45,12 @@ def test_benchmark_smoke(script, tmp_path):
 
 def test_serve_smoke_with_arrivals(tmp_path):
     """bench/serve.py with its own flags (a script that imports bench/kernels.py by accident
-    has that module parse them, and fail)."""
+    has that module parse them, and fail), asynchronous scheduling compared with sync."""
     argv = [sys.executable, str(BENCH / "serve.py"), "--smoke", "--rate", "8", "--skip-base"]
-    argv += ["--peft-requests", "0", "--json", str(tmp_path / "out.json")]
+    argv += ["--peft-requests", "0", "--compare-sync", "--json", str(tmp_path / "out.json")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         argv, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| lora |" in proc.stdout
+    assert "| lora |" in proc.stdout and "| lora (sync) |" in proc.stdout

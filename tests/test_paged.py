@@ -11,14 +11,17 @@ from lora_graph.engine import LLMEngine, Request, SamplingParams
 from lora_graph.paging import OutOfPagesError, PagePool
 
 
-def _serve(pipe, reqs):
-    """Generate, and record each step's chunks: (request id, tokens computed, pages)."""
-    engine = LLMEngine(pipe)
+def _serve(pipe, reqs, fed=None, **engine_kw):
+    """Generate, and record each step's chunks: (request id, tokens computed, pages); and
+    in ``fed`` the ids of chunks whose token came from the device."""
+    engine = LLMEngine(pipe, **engine_kw)
     steps: list[list[tuple[str, int, list[int]]]] = []
     prepare = pipe.prepare
 
     def recording(chunks, **kw):
         steps.append([(c.owner.request.id, len(c.token_ids), list(c.pages)) for c in chunks])
+        if fed is not None:
+            fed.extend(c.owner.request.id for c in chunks if c.fed_from is not None)
         return prepare(chunks, **kw)
 
     pipe.prepare = recording
@@ -80,6 +83,76 @@ def test_a_pool_too_small_preempts_and_every_output_is_unchanged(tiny, reference
     assert engine.preemptions > 0
     assert pipe.pages.num_free == pipe.pages.capacity
     assert not engine.running and not engine.waiting
+
+
+def test_async_scheduling_reads_tokens_a_step_late_and_changes_no_output(tiny, reference_factory):
+    """Asynchronous scheduling (the default: a step's tokens are read back while the next
+    one runs, a decode's input token fed on the device) against reading every step back
+    at once, on a pool too small (so requests are preempted with a token still on the
+    device): a request ending on a stop token (read a step late: its extra row dropped),
+    ones ending by max_new_tokens and by max_seq_len (never scheduled past their end), one
+    sampling at a temperature beside them (its steps read at once). Both ways the same
+    tokens and finish reasons, peft's greedy ones for the greedy requests, every page back."""
+    ref = reference_factory(tiny)
+    batch = prompts(5, seed=93, min_len=8, max_len=14)
+    stop = ref.greedy(batch[1], "B", 16)[5]
+    reqs = [
+        Request("0", batch[0], "A", SamplingParams(max_new_tokens=16, ignore_eos=True)),
+        Request("1", batch[1], "B", SamplingParams(max_new_tokens=16, stop_token_ids=(stop,))),
+        Request("2", batch[2], None, SamplingParams(max_new_tokens=3)),
+        Request("3", batch[3], "A", SamplingParams(max_new_tokens=16, temperature=0.8, seed=3)),
+        Request("4", batch[4], "C", SamplingParams(max_new_tokens=64)),  # to max_seq_len
+    ]
+    runs = {}
+    for mode in (True, False):
+        pipe = make_pipeline(tiny, max_batch_size=4, max_seq_len=40, kv_cache_tokens=40,
+                             page_size=4)  # fmt: skip
+        fed: list[str] = []
+        engine, outputs, steps = _serve(pipe, reqs, fed, async_scheduling=mode)
+        assert engine.preemptions > 0 and pipe.pages.num_free == pipe.pages.capacity
+        assert all(o.error is None for o in outputs)
+        runs[mode] = [(o.token_ids, o.finish_reason) for o in outputs], fed, steps
+    assert runs[True][0] == runs[False][0]
+    out = dict(zip("01234", runs[True][0], strict=True))
+    first = ref.greedy(batch[1], "B", 16).index(stop)
+    assert out["1"] == (ref.greedy(batch[1], "B", first + 1), "stop")
+    assert out["0"] == (ref.greedy(batch[0], "A", 16), "length")
+    assert out["2"] == (ref.greedy(batch[2], None, 3), "length")
+    assert out["4"] == (ref.greedy(batch[4], "C", 40 - len(batch[4])), "length")
+    assert set(runs[True][1]) >= {"0", "1", "2", "4"} and not runs[False][1]
+    # a request ending by length runs no row past its end: its steps computed exactly its
+    # prompt and all of its tokens but the last (more only when preempted and recomputed)
+    for mode in (True, False):
+        computed = {}
+        for step in runs[mode][2]:
+            for rid, n, _ in step:
+                computed[rid] = computed.get(rid, 0) + n
+        assert computed["2"] >= len(batch[2]) + 2
+        if not any(rid == "2" and n > 1 and i > 0 for i, s in enumerate(runs[mode][2])
+                   for rid, n, _ in s):  # fmt: skip
+            assert computed["2"] == len(batch[2]) + 2
+
+
+def test_a_request_preempted_with_its_next_token_on_the_device(tiny, reference_factory):
+    """Two decoding requests outgrow the pool: the newer one is preempted while the token
+    its last step sampled is still on the device (asynchronous scheduling); that token is
+    read into it while it waits, and recomputed with the rest. Outputs equal peft's."""
+    ref = reference_factory(tiny)
+    batch = prompts(2, seed=94, min_len=12, max_len=12)
+    reqs = _requests(batch, ["B", "A"], 24)
+    pipe = make_pipeline(tiny, max_batch_size=2, max_seq_len=40, kv_cache_tokens=40, page_size=4)
+    engine = LLMEngine(pipe)
+    pending_at_preemption = []
+    preempt = engine._preempt
+
+    def recording(seq):
+        pending_at_preemption.append(seq.pending)
+        preempt(seq)
+
+    engine._preempt = recording
+    _check(ref, reqs, engine.generate(reqs))
+    assert 1 in pending_at_preemption
+    assert pipe.pages.num_free == pipe.pages.capacity
 
 
 def test_a_preempted_sampled_request_draws_the_same_tokens(tiny):
@@ -204,6 +277,15 @@ def test_step_buffer_pads_a_step_to_its_bucket():
     with pytest.raises(ValueError, match="another shape"):
         StepBuffer({"tokens": ("S",)}, max_tokens=8, max_seqs=4, max_pages=3, page_size=2,
                    device=torch.device("cpu"))  # fmt: skip
+    # a decode's token still on the device (fed_from: its row of fed_tokens) goes in its place
+    fed = [SeqChunk("A", [11, 12, 13], 2, [5, 3, 7]), SeqChunk(None, [0], 4, [2, 6, 4], None, 2),
+           SeqChunk(None, [0], 1, [1], None, 0)]  # fmt: skip
+    v = buf.fill(fed, (8, 4), torch.tensor([70, 71, 72]))
+    assert v["tokens"].tolist() == [11, 12, 13, 72, 70, 0, 0, 0]
+    with pytest.raises(ValueError, match="there is no fed_tokens"):
+        buf.fill(fed, (8, 4))
+    with pytest.raises(ValueError, match="only a one-token chunk"):
+        buf.fill([SeqChunk(None, [1, 2], 0, [1], None, 0)], (8, 4), torch.tensor([70]))
 
 
 def test_kv_pool_sized_from_gpu_memory_utilization(tiny, monkeypatch):
