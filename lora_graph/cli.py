@@ -65,6 +65,7 @@ def build_engine(
     progress: bool = True,
     enable_lora: bool = False,
     encoder: bool | None = False,
+    async_scheduling: bool = True,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
     ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
@@ -156,7 +157,8 @@ def build_engine(
     if any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         with contextlib.suppress(OSError, ValueError):
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LLMEngine(pipeline, eos_token_ids=_eos_ids(model_dir, hf_config)), tokenizer
+    eos = _eos_ids(model_dir, hf_config)
+    return LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling), tokenizer
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
@@ -179,6 +181,7 @@ def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine
         kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         progress=args.progress,
+        async_scheduling=getattr(args, "async_scheduling", True),
         **extra,
     )
 
@@ -745,6 +748,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.9,
         help="on CUDA, the fraction of device memory for weights, adapters, activations and "
         "the KV cache (default: 0.9)",
+    )
+    engine.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="read each step's tokens back before scheduling the next (by default the next "
+        "step is scheduled while the device runs this one; the outputs are the same)",
     )
     engine.add_argument(
         "--max-seq-len",
