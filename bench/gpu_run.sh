@@ -17,8 +17,6 @@
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
-#   bash bench/gpu_run.sh sideshrink  bench/profile_step.py and bench/serve.py (LoRA) with the prefill shrink
-#                                   beside the base GEMM (the default) and after it (--no-side-shrink)
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -60,14 +58,6 @@ for stage in "$@"; do
       python3 -m pytest -rs -p no:cacheprovider tests/test_server.py -k gpu 2>&1 | tail -3
       python3 bench/serve_load.py --json "$OUT/serve_load.json" 2>&1 | tee "$OUT/serve_load.log" \
         | grep -v Warning | tail -10 ;;
-    sideshrink)
-      for flag in "" --no-side-shrink; do
-        python3 bench/profile_step.py $flag 2>&1 | grep -v Warning | grep "^|" | sed "s/^/profile ${flag:-side}: /"
-      done
-      python3 bench/serve.py --peft-requests 0 --json "$OUT/serve_side_shrink.json" 2>&1 \
-        | tee "$OUT/serve_side_shrink.log" | grep "^| \(base\|lora\)\|LoRA mixed"
-      python3 bench/serve.py --peft-requests 0 --skip-base --no-side-shrink --json "$OUT/serve_no_side.json" \
-        2>&1 | tee "$OUT/serve_no_side.log" | grep "^| lora" | sed "s/^/no side shrink: /" ;;
     arch)
       python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_architectures.py tests/test_bert.py \
         tests/test_paged_attention.py -k "soft_cap or gpu_mixed or matches_peft_on" 2>&1 | tee "$OUT/gpu_arch.log" | tail -8 ;;

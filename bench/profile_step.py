@@ -131,12 +131,6 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=8, help="distinct adapters (default 8)")
     p.add_argument("--side-stream-rows", type=int, default=None, help="ops.DELTA_MAX_ROWS")
     p.add_argument(
-        "--no-side-shrink",
-        action="store_true",
-        help="above ops.DELTA_MAX_ROWS, the shrink after the base GEMM instead of beside it "
-        "on a side stream (ops.SIDE_SHRINK)",
-    )
-    p.add_argument(
         "--eager",
         action="store_true",
         help="no capture (kernel times stay valid where the profiler cannot trace graphs)",
@@ -159,7 +153,6 @@ def main() -> None:
         args.adapters, args.reps = 2, 2
     if args.side_stream_rows is not None:
         lora_graph.ops.DELTA_MAX_ROWS = args.side_stream_rows
-    lora_graph.ops.SIDE_SHRINK = not args.no_side_shrink
     work = Path(tempfile.mkdtemp(prefix="lora_graph_profile_"))
     hf_config = LlamaConfig(**shapes)
     hf_config.save_pretrained(work / "base")

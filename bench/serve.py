@@ -112,12 +112,6 @@ def parse_args() -> argparse.Namespace:
         help="row counts up to which a LoRA linear runs its delta on a side stream beside the "
         "base GEMM (lora_graph.ops.DELTA_MAX_ROWS, default 64)",
     )
-    p.add_argument(
-        "--no-side-shrink",
-        action="store_true",
-        help="above the side-stream rows, the shrink after the base GEMM instead of beside it "
-        "on a side stream (lora_graph.ops.SIDE_SHRINK)",
-    )
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
     p.add_argument("--skip-base", action="store_true", help="do not run the base-only engine")
@@ -294,11 +288,10 @@ def main() -> None:
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
         write_adapter(work / name, shapes, 16, seed=100 + i)
-    import lora_graph.ops
-
     if args.side_stream_rows is not None:
+        import lora_graph.ops
+
         lora_graph.ops.DELTA_MAX_ROWS = args.side_stream_rows
-    lora_graph.ops.SIDE_SHRINK = not args.no_side_shrink
     reqs = workload(args, names, shapes["vocab_size"])
     print(
         f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "

@@ -93,9 +93,7 @@ class LoRALinear(_LoRALayer):
     routed by request (:attr:`Routing.segments`); given ``[B, T, in_features]``, by token.
     With kernels that have ``linear_delta`` and at most :data:`ops.DELTA_MAX_ROWS` rows
     (decode), the base linear and the delta run in one op, the delta on a side stream, and
-    are added after it (``y + d`` in float32, rounded once). Above, with kernels that have
-    ``linear_shrink``, the shrink runs beside the base GEMM on the side stream and the
-    expand in place after it.
+    are added after it (``y + d`` in float32, rounded once).
     """
 
     def __init__(self, base: nn.Linear, *, target: LoraTarget, **kwargs) -> None:
@@ -117,19 +115,10 @@ class LoRALinear(_LoRALayer):
             )
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
-        y, h = self._linear_and_shrink(x2, route)
-        k.expand(y, h, self.b, self.out_slices, *route)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def _linear_and_shrink(self, x2: Tensor, route: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        """The base output ``[N, out]`` and the shrink's ``h`` of ``x2`` ``[N, in]``: with
-        kernels that have ``linear_shrink`` (and :data:`ops.SIDE_SHRINK`), the shrink runs
-        beside the base GEMM on a side stream; else after it."""
-        k = self._kernels
-        if k.linear_shrink is not None and ops.SIDE_SHRINK:
-            weight, bias = self.base.weight, self.base.bias
-            return k.linear_shrink(x2, weight, bias, self.a, self.num_slices, *route)
-        return self.base(x2), k.shrink(x2, self.a, self.num_slices, *route)
+        y = self.base(x)
+        h = k.shrink(x2, self.a, self.num_slices, *route)
+        k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route)
+        return y
 
     def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         """:meth:`Linear.silu_and_mul` with LoRA. Above :data:`ops.DELTA_MAX_ROWS` rows,
@@ -147,7 +136,8 @@ class LoRALinear(_LoRALayer):
         ):
             return _silu_and_mul(self(x, routing))
         route = routing.tokens
-        y, h = self._linear_and_shrink(x2, route)
+        y = self.base(x2)
+        h = k.shrink(x2, self.a, self.num_slices, *route)
         out = k.expand_silu_mul(y, h, self.b, *route)
         return out.view(*x.shape[:-1], out.shape[-1])
 

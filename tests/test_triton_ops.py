@@ -479,10 +479,6 @@ def test_fake_registration_and_compile(pools):
             and fbuf.shape == (5 * 88 + 3 * 5 * MAX_RANK,)
             and fbuf.dtype == torch.float32
         )
-        fy, fh = torch.ops.lora_graph.lora_linear_shrink(
-            fx, torch.empty(88, 64), None, fa, 3, *froute
-        )
-        assert fy.shape == (5, 88) and fh.shape == (3, 5, MAX_RANK) and fh.dtype == torch.float32
 
     def step(x, y, a, b, lora_ids, grouped_offsets, end):
         h = torch.ops.lora_graph.lora_shrink(x, a, t.num_slices, lora_ids, grouped_offsets, end)
@@ -531,16 +527,11 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
         pipe.manager.load_adapter(str(path), name=name)
     kernels = pipe.manager.kernels
     assert kernels.shrink is T.shrink and kernels.linear_delta is T.linear_delta
-    assert kernels.linear_shrink is T.linear_shrink
-    calls, beside = [], []
+    calls = []
 
     def counted(*args):
         calls.append(1)
         return T.linear_delta(*args)
-
-    def counted_beside(*args):
-        beside.append(1)
-        return T.linear_shrink(*args)
 
     gated = []
 
@@ -550,17 +541,13 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
 
     for layer in pipe.manager.layers.values():
         layer._kernels = dataclasses.replace(
-            kernels,
-            linear_delta=counted,
-            expand_silu_mul=counted_gated,
-            linear_shrink=counted_beside,
+            kernels, linear_delta=counted, expand_silu_mul=counted_gated
         )
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
     small = len(MIX) * max_len <= ops.DELTA_MAX_ROWS
     assert forks == (9 if small else 0)  # 4 targets x 2 layers + LM head
-    assert len(beside) == (0 if small else 9)  # above: the shrink beside the GEMM
     assert len(gated) == (0 if small else 2)  # above: each layer's MLP expand + activation fused
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
@@ -867,7 +854,7 @@ def test_gpu_ops_dispatch_to_triton(gpu_pools, monkeypatch):
 
         return run
 
-    for name in ("shrink", "expand_", "linear_delta", "linear_shrink"):
+    for name in ("shrink", "expand_", "linear_delta"):
         monkeypatch.setattr(T, name, counting(name))
     h = torch.ops.lora_graph.lora_shrink(x, a, t.num_slices, *routing)
     y = torch.zeros(6, t.out_features, device=GPU, dtype=torch.bfloat16)
@@ -876,10 +863,7 @@ def test_gpu_ops_dispatch_to_triton(gpu_pools, monkeypatch):
     y2, buf = torch.ops.lora_graph.lora_linear_delta(
         x, w, None, a, b, t.num_slices, list(t.out_slices), *routing
     )
-    y3, h3 = torch.ops.lora_graph.lora_linear_shrink(x, w, None, a, t.num_slices, *routing)
-    assert calls == ["shrink", "expand_", "linear_delta", "linear_shrink"]
-    torch.testing.assert_close(h3, h)
-    torch.testing.assert_close(y3, x @ w.T)
+    assert calls == ["shrink", "expand_", "linear_delta"]
     y_ref = torch.zeros_like(y)
     reference.expand_(
         y_ref, reference.shrink(x, a, t.num_slices, *routing), b, list(t.out_slices), *routing

@@ -305,33 +305,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-def linear_shrink(
-    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor
-) -> tuple[Tensor, Tensor]:
-    """:func:`lora_graph.ops.lora_linear_shrink`: the base linear on the caller's stream and,
-    beside it on the device's side stream (forked before the GEMM is queued, so it does not
-    wait for it), the memset + shrink into ``h``. Returns after the caller's stream waits for
-    the side stream; ``x`` and ``h`` were allocated on the caller's stream, so they outlive
-    the side work. Without CUDA (the Triton interpreter) everything runs inline."""
-    _require_triton()
-    max_rank = a.shape[1] // num_slices
-    h = torch.empty((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    side = _side_stream(x.device)
-    if side is None:
-        h.zero_()
-        launch_shrink(x, a, h, *routing, max_rank)
-        return torch.nn.functional.linear(x, weight, bias), h
-    main = torch.cuda.current_stream(x.device)
-    fork = main.record_event()
-    y = torch.nn.functional.linear(x, weight, bias)
-    side.wait_event(fork)
-    with torch.cuda.stream(side):
-        h.zero_()
-        launch_shrink(x, a, h, *routing, max_rank)
-    main.wait_stream(side)
-    return y, h
-
-
 def linear_delta(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
     out_slices: list[int], *routing: Tensor
