@@ -323,7 +323,7 @@ def main() -> None:
         if args.compile != "none":
             pipe.enable_compile(args.compile, progress=False)
         capture = time.perf_counter() - t0
-        engine = LLMEngine(pipe)
+        engine = LLMEngine(pipe, async_scheduling=True)
         warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(reqs[:2])]
         serve(engine, warm, 2, base_only=base_only)  # first-call costs out of the numbers
         engine.steps = {"prefill": 0, "decode": 0}

@@ -65,7 +65,7 @@ def build_engine(
     progress: bool = True,
     enable_lora: bool = False,
     encoder: bool | None = False,
-    async_scheduling: bool = True,
+    async_scheduling: bool | None = None,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
     ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
@@ -181,7 +181,7 @@ def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine
         kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         progress=args.progress,
-        async_scheduling=getattr(args, "async_scheduling", True),
+        async_scheduling=getattr(args, "async_scheduling", None),
         **extra,
     )
 
@@ -750,11 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the KV cache (default: 0.9)",
     )
     engine.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="read each step's tokens back before scheduling the next (by default the next "
-        "step is scheduled while the device runs this one; the outputs are the same)",
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule each step while the device still runs the one before (the same "
+        "outputs, the host's work hidden; default: on with CUDA, off on the CPU, where "
+        "nothing runs in the background)",
     )
     engine.add_argument(
         "--max-seq-len",

@@ -180,11 +180,19 @@ class _InFlight:
     hot: dict[int, Tensor]
 
 
+def default_async_scheduling(device: torch.device) -> bool:
+    """Whether :class:`LLMEngine` schedules asynchronously when not told: on CUDA, where a
+    step is queued and runs while the host goes on; not on the CPU, where a step runs to
+    its end before the call returns, so nothing would overlap and each token would only
+    reach the caller a step later."""
+    return device.type == "cuda"
+
+
 class LLMEngine:
     """Serves requests through a pipeline, continuously batched in packed steps.
 
-    Asynchronous scheduling (``async_scheduling``, the default; vLLM's option of the same
-    name): :meth:`step` queues a step on the device, then reads back the *previous* step's
+    Asynchronous scheduling (``async_scheduling``, by default on CUDA; vLLM's option of the
+    same name): :meth:`step` queues a step on the device, then reads back the *previous* step's
     sampled tokens while this one runs, so the host's scheduling and input building for a
     step overlaps the device's work on the one before instead of leaving the device idle.
     A decoding request's next input token, not yet on the host when its next step is
@@ -200,7 +208,8 @@ class LLMEngine:
             its ``max_step_tokens`` a step's tokens, its page pool their KV cache).
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
         async_scheduling: overlap each step's host work with the previous step's device
-            work (above); False reads every step's tokens before the next is scheduled.
+            work (above); False reads every step's tokens before the next is scheduled;
+            None: :func:`default_async_scheduling` of the pipeline's device.
     """
 
     def __init__(
@@ -208,7 +217,7 @@ class LLMEngine:
         pipeline: PipelineModelWithKVCache,
         *,
         eos_token_ids: tuple[int, ...] = (),
-        async_scheduling: bool = True,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -222,6 +231,8 @@ class LLMEngine:
         self.tokens_generated = 0
         self._live: set[str] = set()  # ids of the waiting and running requests
         self._new_tokens: list[tuple[str, int]] = []
+        if async_scheduling is None:
+            async_scheduling = default_async_scheduling(pipeline.device)
         self.async_scheduling = async_scheduling
         self._in_flight: _InFlight | None = None
         # two pinned buffers the in-flight steps' [2, S] tokens are copied into, in turn
@@ -430,7 +441,9 @@ class LLMEngine:
 
     # ---- stepping ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        """Whether a request is waiting or running. (A step in flight whose requests all
+        finished, their last rows dropped, is not unfinished work.)"""
+        return bool(self.waiting or self.running)
 
     def step(self) -> list[tuple[str, int]]:
         """Schedule and run one packed step; return the tokens produced since the last
@@ -443,16 +456,18 @@ class LLMEngine:
         others are served on.
         """
         previous, self._in_flight = self._in_flight, None
-        scheduled = self._schedule()
-        if scheduled:
-            try:
-                self._in_flight = self._run(scheduled, previous)
-            except AdapterError as e:
-                if e.adapter is None:
-                    raise
-                self._fail_adapter(e.adapter, str(e))
-        if previous is not None:
-            self._read_back(previous)
+        try:
+            scheduled = self._schedule()
+            if scheduled:
+                try:
+                    self._in_flight = self._run(scheduled, previous)
+                except AdapterError as e:
+                    if e.adapter is None:
+                        raise
+                    self._fail_adapter(e.adapter, str(e))
+        finally:  # (a step that raised changed nothing: the one before is still read)
+            if previous is not None:
+                self._read_back(previous)
         current = self._in_flight
         if current is not None and (current.hot or not self.async_scheduling):
             self._drain()
@@ -476,7 +491,9 @@ class LLMEngine:
                 )  # fmt: skip
 
     def _run(self, scheduled: list[tuple[_Sequence, int]], previous: _InFlight | None) -> _InFlight:
-        """Queue one step on the device and its greedy tokens' copy to the host."""
+        """Queue one step on the device and its greedy tokens' copy to the host. Nothing of
+        the engine's state changes until all of it is queued: a step that raises is run
+        again from scratch."""
         fed = {}  # a decoding request's input token still on the device: its previous row
         if previous is not None:
             fed = {id(q): row for q, row in zip(previous.seqs, previous.rows, strict=True)}
@@ -491,12 +508,13 @@ class LLMEngine:
             chunks, fed_tokens=previous.device[1] if previous is not None else None
         )
         logits = self.pipeline.execute(inputs)
-        self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
-        for c in inputs.chunks:
-            c.owner.computed += len(c.token_ids)
         # requests whose tokens are all computed sample their next one: on the device, the
         # NaN check and the greedy token of every row, copied to the host without waiting
-        rows = [i for i, c in enumerate(inputs.chunks) if c.owner.computed == c.owner.known]
+        rows = [
+            i
+            for i, c in enumerate(inputs.chunks)
+            if c.owner.computed + len(c.token_ids) == c.owner.known
+        ]
         seqs = [inputs.chunks[i].owner for i in rows]
         width = len(inputs.chunks)
         device = torch.stack(
@@ -511,6 +529,9 @@ class LLMEngine:
             done.record()
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
                if s.request.sampling.temperature > 0}  # fmt: skip
+        self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
+        for c in inputs.chunks:
+            c.owner.computed += len(c.token_ids)
         for s in seqs:
             s.pending += 1
         return _InFlight(seqs, rows, device, host, done, hot)

@@ -52,7 +52,7 @@ try:  # the "serve" extra
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from fastapi.sse import EventSourceResponse, format_sse_event
     from prometheus_client import (
         CONTENT_TYPE_LATEST,
@@ -69,6 +69,11 @@ try:  # the "serve" extra
 except ImportError:  # pragma: no cover - exercised without the extra
     HAVE_SERVER_DEPS = False
     BaseModel = object  # type: ignore[assignment,misc]
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete (its requests are
+    aborted; nothing is sent, and nothing is logged as an error)."""
 
 
 class APIError(Exception):
@@ -696,14 +701,14 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         return new
 
     async def next_event(events: asyncio.Queue, http: HTTPRequest, state: dict) -> Any:
-        """The next event; raises ``asyncio.CancelledError`` if the client went away
-        (checked at least every half second, also while tokens keep coming)."""
+        """The next event; raises :class:`ClientGone` if the client went away (checked at
+        least every half second, also while tokens keep coming)."""
         while True:
             now = time.monotonic()
             if now - state.setdefault("checked", now) >= 0.5:
                 state["checked"] = now
                 if await http.is_disconnected():
-                    raise asyncio.CancelledError
+                    raise ClientGone
             try:
                 return await asyncio.wait_for(events.get(), timeout=0.5)
             except TimeoutError:
@@ -760,6 +765,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                         advance(c, event, value)
                         if c.done:  # a stop string: the engine request is no longer needed
                             abort_all([c])
+            except ClientGone:
+                abort_all(choices)
+                return Response(status_code=499)  # (nginx's "client closed request"; unread)
             except asyncio.CancelledError:
                 abort_all(choices)
                 raise
@@ -820,6 +828,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                 if include_usage:
                     yield chunk([], usage(len(prompt_ids), choices))
                 yield sse("[DONE]")
+            except ClientGone:
+                abort_all(choices)  # (the stream just ends: nobody reads it)
             except (asyncio.CancelledError, GeneratorExit):
                 abort_all(choices)
                 raise

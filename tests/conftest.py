@@ -36,6 +36,16 @@ ADAPTERS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _async_scheduling_on_the_cpu_too(monkeypatch):
+    """The engine's default on CUDA, asynchronous scheduling, is what every test runs on
+    the CPU too (where its default is off: nothing would overlap); tests that compare the
+    two modes pass ``async_scheduling`` explicitly."""
+    import lora_graph.engine
+
+    monkeypatch.setattr(lora_graph.engine, "default_async_scheduling", lambda device: True)
+
+
 @dataclass
 class Row:
     """A batch row as the manager sees it."""

@@ -66,11 +66,14 @@ def test_generate_requests_file_matches_peft(tiny, reference_factory, tmp_path):
         expected = ref.greedy(ids, a, 12)
         assert r["token_ids"] == expected[: len(r["token_ids"])]
         assert len(r["token_ids"]) == 12 or r["token_ids"][-1] == 2
-    # each step's tokens read back before the next is scheduled: the same output
-    sync = tmp_path / "sync.jsonl"
-    argv[argv.index(str(output))] = str(sync)
-    assert main([*argv, "--no-async-scheduling"]) == 0
-    assert sync.read_text() == output.read_text()
+    # asynchronous scheduling on and off (the CPU's default): the same output
+    runs = {}
+    for flag in ("--async-scheduling", "--no-async-scheduling"):
+        runs[flag] = tmp_path / f"{flag}.jsonl"
+        argv[argv.index(str(output))] = str(runs[flag])
+        output = runs[flag]
+        assert main([*argv, flag]) == 0
+    assert {p.read_text() for p in runs.values()} == {(tmp_path / "out.jsonl").read_text()}
 
 
 def test_unloadable_adapter_exits_2_with_one_line(tiny, tmp_path, capsys):

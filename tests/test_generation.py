@@ -111,6 +111,45 @@ def test_half_precision_error_is_peft_own(tiny, reference_factory, dtype):
             assert err <= 1.3 * err_peft + 1e-3, (dtype, slot_dtype, adapter, err, err_peft)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_step_that_raises_changes_nothing(tiny, reference_factory, async_scheduling):
+    """A step whose execution raises (a transient device error, an interrupt) propagates
+    the error and changes nothing: the step before it is still read back, and stepping on
+    serves every request as if it had not happened; after ``generate`` the engine is idle
+    (a request that ended on a stop token read a step late leaves no unfinished work)."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny)
+    ids = prompts(2, seed=48)
+    want = [ref.greedy(ids[0], "A", 8), ref.greedy(ids[1], None, 8)]
+    execute, calls = pipe.execute, [0]
+
+    def flaky(inputs):
+        calls[0] += 1
+        if calls[0] in (4, 5):
+            raise RuntimeError("transient")
+        return execute(inputs)
+
+    pipe.execute = flaky
+    engine = LLMEngine(pipe, async_scheduling=async_scheduling)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.add_request(Request("a", ids[0], "A", sampling))
+    engine.add_request(Request("b", ids[1], None, sampling))
+    errors = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError:
+            errors += 1
+    assert errors == 2
+    assert [engine.finished[i].token_ids for i in "ab"] == want
+    assert pipe.pages.num_free == pipe.pages.capacity
+    stop = want[0][3]
+    stopping = SamplingParams(max_new_tokens=8, stop_token_ids=(stop,))
+    out = engine.generate([Request("s", ids[0], "A", stopping)])
+    assert out[0].token_ids == want[0][: want[0].index(stop) + 1]
+    assert not engine.has_unfinished()
+
+
 def test_abort_frees_the_row_and_the_rest_run_on(tiny, reference_factory):
     ref = reference_factory(tiny)
     pipe = make_pipeline(tiny, max_batch_size=2, max_slots=1)
