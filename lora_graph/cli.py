@@ -181,7 +181,7 @@ def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine
         kv_cache_tokens=args.kv_cache_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         progress=args.progress,
-        async_scheduling=getattr(args, "async_scheduling", None),
+        async_scheduling=args.async_scheduling,
         **extra,
     )
 

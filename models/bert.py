@@ -254,9 +254,7 @@ class BertPipeline(PipelineModelWithKVCache):
             if not (name := key.removeprefix("bert.")).startswith(_HEADS)
             and name != "embeddings.position_ids"
         }
-        return fuse_checkpoint(
-            renamed, {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
-        )
+        return fuse_checkpoint(renamed, _FUSED)
 
     @torch.inference_mode()
     def embed(self, rows: Sequence[tuple[Sequence[int], str | None]]) -> Tensor:
