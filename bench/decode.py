@@ -14,11 +14,21 @@ bandwidth measured in the same run.
 
     python bench/decode.py                      # the H200 run (writes bench/out/decode.json)
     python bench/decode.py --smoke              # tiny shapes on the CPU, to check it runs
+
+``--variants`` times (b)-(e) again for each variant of the decode LoRA path (a fresh LoRA
+pipeline each, captured after the variant's switches are set), e.g.
+``--variants now "sync7:fused_silu=0,overwrite=0" "mixed:ranks=8/16/32/64"``; the switches:
+
+    fused_silu=0|1     ops.DECODE_FUSED_SILU (gate/up: side shrink + fused expand/SwiGLU)
+    overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
+    side_programs=N    triton_launch.SIDE_MAX_PROGRAMS (cap on a side kernel's programs)
+    ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -195,6 +205,29 @@ def time_peft_step(
     return statistics.median(times)
 
 
+VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks")
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``name`` or ``name:key=value,...`` (module docstring)."""
+    name, _, rest = spec.partition(":")
+    switches = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    unknown = set(switches) - set(VARIANT_SWITCHES)
+    if unknown:
+        raise SystemExit(f"variant {name!r}: unknown switches {sorted(unknown)}")
+    return name, switches
+
+
+def apply_switches(switches: dict[str, str]) -> None:
+    """Set the module switches of a variant (the defaults for those not named)."""
+    import lora_graph.ops as ops
+    from lora_graph.kernels import triton_launch
+
+    ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
+    triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
+    triton_launch.SIDE_MAX_PROGRAMS = int(switches.get("side_programs", "0"))
+
+
 def mix(n_rows: int, names: list[str]) -> list[str]:
     """Rows spread round-robin over ``names`` (as many distinct as rows allow)."""
     return [names[i % len(names)] for i in range(n_rows)]
@@ -244,6 +277,14 @@ def main() -> None:
         action="store_true",
         help="run decode LoRA in place after each base linear instead of on the side stream",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        metavar="SPEC",
+        help="variants of the decode LoRA path to time (module docstring; default: the code's "
+        "defaults)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -288,9 +329,7 @@ def main() -> None:
         flush=True,
     )
 
-    names = [f"a{i}" for i in range(16)]
-    for i, name in enumerate(names):
-        write_adapter(work / name, shapes, 16, seed=i)
+    names = [f"a{i}" for i in range(16)]  # written per variant (their ranks may differ)
     common = dict(
         dtype=torch.bfloat16,
         device=device,
@@ -310,6 +349,7 @@ def main() -> None:
         "backend": args.backend,
         "targets": args.targets,
         "side_stream": not args.no_side_stream,
+        "variants": args.variants,
         "rows": [],
     }
 
@@ -346,42 +386,59 @@ def main() -> None:
         del long_pipe
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    t0 = time.time()
     if args.no_side_stream:
         import lora_graph.ops
 
         lora_graph.ops.DELTA_MAX_ROWS = 0
     targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    lora = LlamaPipeline(
-        str(work / "base"),
-        **common,
-        lora=LoRAConfig(max_slots=16, max_rank=16, backend=args.backend, targets=targets),
-    )
-    lora.enable_compile(args.mode, token_buckets=args.batch_sizes)
-    print(f"(b-e) captured in {time.time() - t0:.1f} s", flush=True)
-    t0 = time.time()
-    for name in names:
-        lora.manager.load_adapter(str(work / name), name=name)
-    print(f"16 adapters loaded in {time.time() - t0:.1f} s", flush=True)
-    rows = {}
-    for b in args.batch_sizes:
-        rows[b] = {
-            "a": a_ms[b],
-            "b": time_engine_step(lora, b, [None] * b, context=args.context, reps=args.reps),
-            "c": time_engine_step(lora, b, [names[0]] * b, context=args.context, reps=args.reps),
-            "d": time_engine_step(lora, b, mix(b, names[:4]), context=args.context, reps=args.reps),
-            "e": time_engine_step(lora, b, mix(b, names), context=args.context, reps=args.reps),
-        }
-        print(b, {k: round(v, 3) for k, v in rows[b].items()}, flush=True)
-    assert lora.graphs.recompiles == 0
-    del lora
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    variants = [parse_variant(v) for v in args.variants]
+    written: dict[str, int] = {}
+    rows: dict = {}
+    for variant, switches in variants:
+        apply_switches(switches)
+        ranks = [int(r) for r in switches.get("ranks", "16").split("/")]
+        for i, name in enumerate(names):
+            rank = ranks[i % len(ranks)]
+            if written.get(name) != rank:
+                write_adapter(work / name, shapes, rank, seed=i)
+                written[name] = rank
+        t0 = time.time()
+        lora = LlamaPipeline(
+            str(work / "base"),
+            **common,
+            lora=LoRAConfig(
+                max_slots=16, max_rank=max(ranks), backend=args.backend, targets=targets
+            ),
+        )
+        lora.enable_compile(args.mode, token_buckets=args.batch_sizes)
+        print(f"[{variant}] (b-e) captured in {time.time() - t0:.1f} s", flush=True)
+        t0 = time.time()
+        for name in names:
+            lora.manager.load_adapter(str(work / name), name=name)
+        print(f"[{variant}] 16 adapters loaded in {time.time() - t0:.1f} s", flush=True)
+        for b in args.batch_sizes:
+            time_step = functools.partial(
+                time_engine_step, lora, b, context=args.context, reps=args.reps
+            )
+            rows[(variant, b)] = {
+                "a": a_ms[b],
+                "b": time_step([None] * b),
+                "c": time_step([names[0]] * b),
+                "d": time_step(mix(b, names[:4])),
+                "e": time_step(mix(b, names)),
+            }
+            print(variant, b, {k: round(v, 3) for k, v in rows[(variant, b)].items()}, flush=True)
+        assert lora.graphs.recompiles == 0
+        del lora
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    apply_switches({})
 
     if not args.skip_peft:
         from peft import PeftModel
 
+        first = variants[0][0]
         for b in args.batch_sizes:
-            rows[b]["peft_a"] = time_peft_step(
+            rows[(first, b)]["peft_a"] = time_peft_step(
                 hf, b, None, context=args.context, reps=min(args.reps, 10)
             )
         peft_model = PeftModel.from_pretrained(
@@ -390,12 +447,14 @@ def main() -> None:
         for name in names[1:4]:
             peft_model.load_adapter(str(work / name), adapter_name=name)
         for b in args.batch_sizes:
-            rows[b]["peft_d"] = time_peft_step(
+            r = rows[(first, b)]
+            r["peft_d"] = time_peft_step(
                 peft_model, b, mix(b, names[:4]), context=args.context, reps=min(args.reps, 10)
             )
-            print(b, "peft", round(rows[b]["peft_a"], 2), round(rows[b]["peft_d"], 2), flush=True)
+            print(b, "peft", round(r["peft_a"], 2), round(r["peft_d"], 2), flush=True)
 
     header = [
+        "variant",
         "batch",
         "floor ms",
         "(a) ms",
@@ -417,10 +476,11 @@ def main() -> None:
         "(d) vs peft (d)",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for b, r in rows.items():
+    for (variant, b), r in rows.items():
         peft_a, peft_d = r.get("peft_a", float("nan")), r.get("peft_d", float("nan"))
         floor = floor_ms(b)
         cells = [
+            variant,
             b,
             floor,
             r["a"],
@@ -444,7 +504,7 @@ def main() -> None:
         lines.append(
             "| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |"
         )
-        results["rows"].append({"batch": b, "floor_ms": floor, **r})
+        results["rows"].append({"variant": variant, "batch": b, "floor_ms": floor, **r})
     table = "\n".join(lines)
     results["table"] = table
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,11 @@
 #   bash bench/gpu_run.sh decode    bench/decode.py at mean context 1k (Triton backend, CUDA graphs;
 #                                   max_seq_len 8192 compared) + bench/attention.py
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
+#   bash bench/gpu_run.sh decodevar bench/decode.py at context 64 over variants of the decode LoRA path
+#                                   (VARIANTS, default: the code's defaults against session 7's path,
+#                                   side-stream program caps, ranks 8/16/32/64 mixed in a rank-64 pool)
+#   bash bench/gpu_run.sh host      bench/host_time.py (eager host time of one LoRA linear call)
+#   bash bench/gpu_run.sh triton    the Triton kernels' GPU tests (against float64, graph replay)
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh arch      the architectures' GPU tests (Qwen3, Phi-3, Gemma 2, tied, windowed
 #                                   and Llama-3 Llamas, the BERT encoder against peft on CUDA; the
@@ -42,6 +47,15 @@ for stage in "$@"; do
     decode64)
       python3 bench/decode.py --backend triton --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" | grep -v Warning | tail -30
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
+    decodevar)
+      python3 bench/decode.py --backend triton --skip-peft --context "${CONTEXT:-64}" \
+        --variants ${VARIANTS:-now "s7:fused_silu=0,overwrite=0" "cap132:side_programs=132" \
+        "cap33:side_programs=33" "mixed:ranks=8/16/32/64"} \
+        --json "$OUT/decode_variants.json" 2>&1 | tee "$OUT/decode_variants.log" | grep -v Warning | tail -30 ;;
+    host)
+      python3 bench/host_time.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/host_time.log" | tail -9 ;;
+    triton)
+      python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_triton_ops.py 2>&1 | tee "$OUT/gpu_triton.log" | tail -4 ;;
     serve)
       python3 bench/serve.py --peft-requests 2 --compare-sync --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \

@@ -121,23 +121,31 @@ class LoRALinear(_LoRALayer):
         return y
 
     def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
-        """:meth:`Linear.silu_and_mul` with LoRA. Above :data:`ops.DELTA_MAX_ROWS` rows,
-        with kernels that have ``expand_silu_mul`` and a two-slice target of equal halves
-        (gate, up), the expand and the activation are one kernel: the ``[N, 2I]`` output is
-        read once instead of read, written and read again."""
+        """:meth:`Linear.silu_and_mul` with LoRA. With kernels that have
+        ``expand_silu_mul`` and a two-slice target of equal halves (gate, up), the expand and
+        the activation are one kernel: the ``[N, 2I]`` output is read once instead of read,
+        written and read again, and no delta goes through memory. Up to
+        :data:`ops.DELTA_MAX_ROWS` rows (decode) that needs ``linear_shrink`` (the shrink
+        beside the base GEMM on a side stream) and :data:`ops.DECODE_FUSED_SILU`; without,
+        decode takes :meth:`forward`'s side-stream delta and the activation after."""
         k = self._kernels
         x2 = x.reshape(-1, x.shape[-1])
+        decode = x2.shape[0] <= ops.DELTA_MAX_ROWS
         if (
             routing is None
             or k.expand_silu_mul is None
-            or x2.shape[0] <= ops.DELTA_MAX_ROWS
+            or (decode and (k.linear_shrink is None or not ops.DECODE_FUSED_SILU))
             or self.per_segment
             or self.out_slices != [self.out_slices[0]] * 2
         ):
             return _silu_and_mul(self(x, routing))
         route = routing.tokens
-        y = self.base(x2)
-        h = k.shrink(x2, self.a, self.num_slices, *route)
+        if decode:
+            weight, bias = self.base.weight, self.base.bias
+            y, h = k.linear_shrink(x2, weight, bias, self.a, self.num_slices, *route)
+        else:
+            y = self.base(x2)
+            h = k.shrink(x2, self.a, self.num_slices, *route)
         out = k.expand_silu_mul(y, h, self.b, *route)
         return out.view(*x.shape[:-1], out.shape[-1])
 

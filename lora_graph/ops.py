@@ -22,6 +22,10 @@ adapter), as inputs: a replay sees new routing and new slot contents without rec
   ``-> (y, buf)``: the base linear and the float32 delta of shrink + expand
   (``buf[:N*out]``), on CUDA with the delta on a side stream overlapping the base GEMM
   (decode).
+- ``lora_graph::lora_linear_shrink(x, weight, bias, a, num_slices, *routing) -> (y, h)``: the
+  base linear and the shrink, on CUDA with the shrink on a side stream beside the GEMM
+  (a gated MLP's gate/up at decode: :func:`lora_expand_silu_mul` then expands and applies
+  the activation in one kernel, so the delta never goes through memory).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from lora_graph.kernels import reference
 # linear (decode), when the kernels have ``linear_delta``; above it, shrink + expand run
 # in place after the base linear.
 DELTA_MAX_ROWS = 64
+# Up to DELTA_MAX_ROWS rows, whether a gated MLP's gate/up projection runs
+# ``lora_linear_shrink`` + ``lora_expand_silu_mul`` (when the kernels have both) instead of
+# ``lora_linear_delta`` + the activation; read when a step is traced (benchmarks compare both)
+DECODE_FUSED_SILU = True
 
 
 @functools.cache
@@ -179,27 +187,58 @@ def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, 
     )
 
 
+@torch.library.custom_op("lora_graph::lora_linear_shrink", mutates_args=())
+def lora_linear_shrink(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    a: Tensor,
+    num_slices: int,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The base linear ``y = x @ weight.T + bias`` and :func:`lora_shrink`'s ``h``, in one op
+    so the shrink can run beside the GEMM (module docstring). Returns ``(y, h)``: ``y``
+    ``[N, out]`` in ``x``'s dtype, ``h`` ``[S, N, R]`` float32."""
+    return reference.linear_shrink(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end)
+
+
+@lora_linear_shrink.register_kernel("cuda")
+def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end):
+    impl = _triton() or reference
+    return impl.linear_shrink(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end)
+
+
+@lora_linear_shrink.register_fake
+def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end):
+    n, r = x.shape[0], a.shape[1] // num_slices
+    return x.new_empty((n, weight.shape[0])), x.new_empty((num_slices, n, r), dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """What a LoRA layer calls, with the signatures of the ops above: the ops themselves
     (per-device dispatch), or for a forced backend the implementations directly.
     ``linear_delta`` is None where the side-stream delta is not used; ``expand_silu_mul``
     None where a gated MLP expands in place and applies its activation after (the fused
-    kernel would gain nothing: the CPU)."""
+    kernel would gain nothing: the CPU); ``linear_shrink`` None where a gated MLP's decode
+    does not shrink beside its GEMM."""
 
     shrink: Callable[..., Tensor]
     embedding_shrink: Callable[..., Tensor]
     expand: Callable[..., None]
     linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
     expand_silu_mul: Callable[..., Tensor] | None = None
+    linear_shrink: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 def kernels(backend: str, device: torch.device) -> Kernels:
     """The :class:`Kernels` of a ``LoRAConfig.backend``:
 
     - ``"auto"``: the ops (Triton on CUDA when installed, the reference elsewhere), and on
-      CUDA with Triton the side-stream ``linear_delta`` at decode and the fused
-      ``expand_silu_mul``.
+      CUDA with Triton the side-stream ``linear_delta`` / ``linear_shrink`` at decode and
+      the fused ``expand_silu_mul``.
     - ``"torch"``: the pure-torch reference on any device (no side stream).
     - ``"triton"``: the Triton kernels: the ops on CUDA; on the CPU under Triton's
       interpreter (``TRITON_INTERPRET=1``), the Triton implementations called directly.
@@ -212,7 +251,12 @@ def kernels(backend: str, device: torch.device) -> Kernels:
     if backend == "torch":
         return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
     cuda = Kernels(
-        lora_shrink, lora_embedding_shrink, lora_expand_, lora_linear_delta, lora_expand_silu_mul
+        lora_shrink,
+        lora_embedding_shrink,
+        lora_expand_,
+        lora_linear_delta,
+        lora_expand_silu_mul,
+        lora_linear_shrink,
     )
     if backend == "auto":
         return cuda if device.type == "cuda" and have_triton() else ops
@@ -232,5 +276,6 @@ def kernels(backend: str, device: torch.device) -> Kernels:
             impl.expand_,
             impl.linear_delta,
             impl.expand_silu_mul,
+            impl.linear_shrink,
         )
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

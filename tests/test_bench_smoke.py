@@ -12,7 +12,16 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-WRITES_JSON = {"adapter_load.py", "decode.py", "kernels.py", "serve.py", "serve_load.py"}
+WRITES_JSON = {
+    "adapter_load.py",
+    "decode.py",
+    "host_time.py",
+    "kernels.py",
+    "serve.py",
+    "serve_load.py",
+}
+# decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline)
+EXTRA = {"decode.py": ["--variants", "now", "v:ranks=4/8,fused_silu=0,overwrite=0,side_programs=4"]}
 
 
 def test_every_benchmark_is_covered():
@@ -20,6 +29,7 @@ def test_every_benchmark_is_covered():
         "adapter_load.py",
         "attention.py",
         "decode.py",
+        "host_time.py",
         "kernels.py",
         "precision.py",
         "profile_step.py",
@@ -33,12 +43,15 @@ def test_benchmark_smoke(script, tmp_path):
     argv = [sys.executable, str(BENCH / script), "--smoke"]
     if script in WRITES_JSON:
         argv += ["--json", str(tmp_path / "out.json")]
+    argv += EXTRA.get(script, [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         argv, capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "|---" in proc.stdout  # the results table
+    if script == "decode.py":
+        assert "| v | 4 |" in proc.stdout
     if script in WRITES_JSON:
         assert (tmp_path / "out.json").stat().st_size > 0
 

@@ -432,12 +432,55 @@ def test_expand_silu_mul_matches_expand_then_activation(dtype, groups, n):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     ref = reference.expand_silu_mul(y, reference.shrink(x, a, 2, *routing), b, *routing)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * tol, atol=2 * tol)
+    # rows without a delta read neither h nor B: NaN there changes nothing
+    no_delta = torch.tensor(row_slots(n, *routing)) <= 0
+    no_delta |= torch.tensor(row_slots(n, *routing)) >= NUM_SLOTS
+    h_poisoned = h.clone()
+    h_poisoned[:, no_delta] = float("nan")
+    assert torch.equal(T.expand_silu_mul(y, h_poisoned, b, *routing), got)
     # 16-column blocks (3 per half), walked 2 a program: the last program's run is short
     cfg = C.ExpandConfig(16, 16, MAX_RANK if MAX_RANK >= 16 else 16)
     for per_program in (1, 2, 3):
         out = torch.full_like(got, float("nan"))
         T.launch_expand_silu_mul(y, h, b, out, *routing, config=cfg, blocks_per_program=per_program)
         torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "groups, n",
+    [(mixed_groups(30), 37), ([(1, 5), (NUM_SLOTS + 3, 2), (4, 3)], 10), ([], 6), ([(2, 1)], 1)],
+)
+def test_decode_ops_write_every_row(pools, dtype, groups, n):
+    """The decode ops against the float64 reference: ``linear_delta``'s delta (an
+    overwriting expand into an unzeroed buffer: rows without a delta are exactly 0, whatever
+    the buffer held) and ``linear_shrink``'s ``(y, h)``; and ``launch_expand(overwrite=True)``
+    under forced tiles into a NaN-filled output."""
+    pool = pools[dtype]
+    t = pool.targets["qkv"]
+    a, b = pool.stacks("qkv")
+    routing = make_routing(groups, pad_to=8)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, t.in_features, generator=g).to(dtype)
+    w = torch.randn(t.out_features, t.in_features, generator=g).to(dtype)
+    h64, d64, slot_of = reference64(pool, "qkv", x, torch.zeros(n, t.out_features), routing)
+    no_delta = (slot_of <= 0) | (slot_of >= NUM_SLOTS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    y, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing)
+    d = buf[: n * t.out_features].view(n, t.out_features)
+    assert torch.equal(y, torch.nn.functional.linear(x, w))
+    assert not d[no_delta].any()
+    torch.testing.assert_close(d.double(), d64, rtol=tol, atol=tol)
+    y2, h = T.linear_shrink(x, w, None, a, t.num_slices, *routing)
+    assert torch.equal(y2, y) and not h[:, no_delta].any()
+    torch.testing.assert_close(h.double(), h64, rtol=tol, atol=tol)
+    cfg = C.ExpandConfig(16, 16, 16, max_programs=3)
+    for config in (None, cfg):
+        out = torch.full((n, t.out_features), float("nan"))
+        T.launch_expand(out, h, b, t.out_slices, *routing, config, overwrite=True)
+        assert not out[no_delta].any()
+        torch.testing.assert_close(out.double(), d64, rtol=tol, atol=tol)
 
 
 @interp
@@ -547,8 +590,11 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
     small = len(MIX) * max_len <= ops.DELTA_MAX_ROWS
-    assert forks == (9 if small else 0)  # 4 targets x 2 layers + LM head
-    assert len(gated) == (0 if small else 2)  # above: each layer's MLP expand + activation fused
+    # up to DELTA_MAX_ROWS: q/k/v, o and down of 2 layers + the LM head take the side-stream
+    # delta; gate/up shrinks beside its GEMM (linear_shrink); each layer's MLP expand and
+    # activation are fused at every size
+    assert forks == (7 if small else 0)
+    assert len(gated) == 2
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
     truth = run_prefill(make_pipeline(t), batch, MIX)
     for adapter, g, w, f in zip(MIX, got, want, truth, strict=True):

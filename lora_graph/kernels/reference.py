@@ -75,3 +75,10 @@ def linear_delta(
     d = torch.zeros(n, out_features, dtype=torch.float32, device=x.device)
     expand_(d, h, b, out_slices, *routing)
     return torch.nn.functional.linear(x, weight, bias), torch.cat([d.reshape(-1), h.reshape(-1)])
+
+
+def linear_shrink(
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Semantics: ``(x @ weight.T + bias, shrink(x, a, num_slices, *routing))``."""
+    return torch.nn.functional.linear(x, weight, bias), shrink(x, a, num_slices, *routing)

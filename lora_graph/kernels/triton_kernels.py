@@ -31,8 +31,11 @@ Design (no host synchronisation; the grid depends only on shapes):
   projection ``[N, 2I]`` fused with its activation: a program takes a row tile and a run of
   column blocks of the ``I`` outputs, loads its rows' ``h`` once, then for each block reads
   the gate and up tiles once, adds their deltas and writes ``silu(g) * u`` (a pipelined
-  loop with no branch: rows without a delta read slot 0's zero B). Its row tiles also
-  cover base and padding rows, since every output row must be written.
+  loop with no branch: rows without a delta mask their ``h`` and ``B`` loads off). Its row
+  tiles also cover base and padding rows, since every output row must be written.
+- expand with ``OVERWRITE`` (the side-stream delta at decode): the same row tiles over
+  every row, storing the delta (0 for rows without one) instead of adding it, so the
+  float32 delta buffer needs no memset.
 - They use ``tl.dot`` (fp32 accumulation) when ``BLOCK_M >= 16`` and a broadcast multiply
   + ``tl.sum`` for ``BLOCK_M < 16``. bf16/fp16 tiles go to the tensor cores as they are;
   fp32 operands use ``input_precision="tf32x3"``.
@@ -193,7 +196,7 @@ if HAVE_TRITON:
         R: tl.constexpr, NUM_SLICES: tl.constexpr,
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
     ):
         # which slice column block pid_n is in (constexpr block starts, no table in memory)
         sl = pid_n * 0
@@ -215,6 +218,8 @@ if HAVE_TRITON:
         cols = col0 + offs_c
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
+        if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
+            mask_r = mask_r & ((offs_r * 0 + slot) > 0)
 
         h_ptrs = h_ptr + sl * stride_hs + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
         ht = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
@@ -228,8 +233,11 @@ if HAVE_TRITON:
 
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
         mask = mask_m[:, None] & mask_c[None, :]
-        yt = tl.load(y_ptrs, mask=mask, other=0.0)
-        out = yt.to(tl.float32) + delta
+        if OVERWRITE:
+            out = delta
+        else:
+            yt = tl.load(y_ptrs, mask=mask, other=0.0)
+            out = yt.to(tl.float32) + delta
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
@@ -243,10 +251,12 @@ if HAVE_TRITON:
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
-        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
     ):
         """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
-        for every work item ``(row tile, column block)`` this program owns.
+        for every work item ``(row tile, column block)`` this program owns; with
+        ``OVERWRITE``, ``y[t, c] = cast(sum_r ...)`` for every row ``t < N`` (0 for rows that
+        get no delta, whose ``h`` and ``B`` are not read), so ``y`` need not be zeroed.
 
         y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
         The slices' column blocks are laid end to end: slice ``i`` owns blocks from
@@ -256,7 +266,7 @@ if HAVE_TRITON:
         pipelined loop (prefill: a long run streams ``y`` with its loads in flight).
         """
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
-            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, False)
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, OVERWRITE)
         runs: tl.constexpr = (N_COL_BLOCKS + BLOCKS_PER_ITEM - 1) // BLOCKS_PER_ITEM
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             tile = item // runs
@@ -269,7 +279,7 @@ if HAVE_TRITON:
                                  stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
                                  stride_bs, stride_bn, stride_br,
                                  R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
-                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION)
+                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION, OVERWRITE)
     # HALF is specialised on (its divisibility by 16 lets the up half's loads vectorise)
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_tiles"])
     def _expand_silu_mul_kernel(
@@ -290,7 +300,7 @@ if HAVE_TRITON:
         y ``[N, 2*HALF]``; h ``[2, N, R]`` fp32; B ``[num_slots, 2*HALF, R]``; out
         ``[N, HALF]``. Row tiles cover the groups and the rows from ``end`` to ``N`` (base
         rows, padding), so every row of ``out`` is written; rows of slot 0 or an unknown slot
-        read slot 0's B, the zero adapter, so their delta is exactly 0. Program
+        read neither ``h`` nor ``B`` (masked loads), so their delta is exactly 0. Program
         ``(tile, j)`` (``program_id(0)`` over ``n_tiles``, ``program_id(1)``) loads its rows'
         ``h`` once and walks column blocks ``j * BLOCKS_PER_PROGRAM ...`` in a pipelined loop.
         """
@@ -303,7 +313,8 @@ if HAVE_TRITON:
             mask_m = offs_m < hi
             rows = offs_m.to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
-            mask_r = offs_r < R
+            # rows without a delta read neither h nor B
+            mask_r = (offs_r < R) & ((offs_r * 0 + slot) > 0)
             mask_h = mask_m[:, None] & mask_r[None, :]
             h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
             hg = tl.load(h_ptrs, mask=mask_h, other=0.0)

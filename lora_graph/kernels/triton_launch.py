@@ -9,6 +9,7 @@ Kernels decorated while ``TRITON_INTERPRET=1`` is set run under Triton's CPU int
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -150,23 +151,28 @@ def launch_expand(
     grouped_offsets: Tensor,
     end: Tensor,
     config: ExpandConfig | None = None,
+    *,
+    overwrite: bool = False,
 ) -> None:
-    """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``.
+    """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``;
+    with ``overwrite``, ``y[t, slice_s] = h[s, t] @ b[slot(t), slice_s].T`` for every row
+    (0 for rows that get no delta), so ``y`` need not be zeroed first.
 
     Args:
         y: ``[N, sum(out_slices)]`` float32 / bfloat16 / float16, updated in place (only the
-            rows that get a delta are written).
+            rows that get a delta are written, unless ``overwrite``).
         h: ``[S, N, max_rank]`` float32.
         b: ``[num_slots, sum(out_slices), max_rank]`` strided pool view of the B blocks.
         out_slices: the width of each slice (``S`` entries).
         lora_ids, grouped_offsets, end: the routing triple.
         config: tiles; :func:`expand_config` when None.
+        overwrite: write every row instead of adding to the rows that get a delta.
     """
     _require_triton()
     num_slices, n, max_rank = h.shape
     num_slots, out_features, r_b = b.shape
     g = lora_ids.numel()
-    if n == 0 or g == 0:
+    if n == 0 or (g == 0 and not overwrite):
         return
     assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
     _check_devices(y, h, b, lora_ids, grouped_offsets, end)
@@ -174,7 +180,8 @@ def launch_expand(
         n, max(out_slices), max_rank, y.element_size(), device_sms(y.device)
     )
     blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), cfg.block_n)
-    tiles = num_tiles(n, g, cfg.block_m)
+    groups = g + 1 if overwrite else g  # overwrite: the rows after end are one more group
+    tiles = num_tiles(n, groups, cfg.block_m)
     per_item = cfg.blocks_per_item or (
         1 if cfg.max_programs else _run_length(tiles, n_blocks, y.device)  # decode: 1 block
     )
@@ -187,11 +194,11 @@ def launch_expand(
             n, g, num_slots, n_items,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
-            R=max_rank, G_POW2=max(16, next_pow2(g)), NUM_SLICES=num_slices, N_COL_BLOCKS=n_blocks,
-            SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            R=max_rank, G_POW2=max(16, next_pow2(groups)), NUM_SLICES=num_slices,
+            N_COL_BLOCKS=n_blocks, SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
             BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1, USE_DOT=cfg.use_dot,
-            DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32", OVERWRITE=overwrite,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # fmt: on
@@ -293,6 +300,14 @@ def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
+# Programs a side-stream LoRA kernel (decode) may use, so that it fits beside the base GEMM
+# it overlaps instead of taking every SM from it; 0: the kernels' own grid. Read when a step
+# runs or is captured (benchmarks compare values).
+SIDE_MAX_PROGRAMS = 0
+# Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
+# adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
+DELTA_OVERWRITE = True
+
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream of a CUDA device (one per device, made on first use); None elsewhere."""
@@ -305,15 +320,31 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
+def _side_configs(
+    n: int, k: int, sr: int, widest: int, max_rank: int, elt_bytes: int, device: torch.device
+) -> tuple[ShrinkConfig, ExpandConfig]:
+    """The shrink and expand tiles of a side-stream call, their grids capped at
+    :data:`SIDE_MAX_PROGRAMS` when set."""
+    sms = device_sms(device)
+    shrink_cfg = shrink_config(n, k, sr, elt_bytes, sms)
+    expand_cfg = expand_config(n, widest, max_rank, elt_bytes, sms)
+    cap = SIDE_MAX_PROGRAMS
+    if cap:
+        shrink_cfg = dataclasses.replace(shrink_cfg, max_programs=cap)
+        expand_cfg = dataclasses.replace(expand_cfg, max_programs=cap)
+    return shrink_cfg, expand_cfg
+
+
 def linear_delta(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
     out_slices: list[int], *routing: Tensor
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`lora_graph.ops.lora_linear_delta`: the base linear on the caller's stream and,
-    overlapping it on the device's side stream, one memset + shrink + expand into the
-    float32 delta. Returns after the caller's stream waits for the side stream; ``x`` and
-    the buffer were allocated on the caller's stream, so they outlive the side work.
-    Without CUDA (the Triton interpreter) everything runs inline."""
+    overlapping it on the device's side stream, the shrink (into a zeroed ``h``) and the
+    expand, which writes every row of the float32 delta (no memset of it). Returns after
+    the caller's stream waits for the side stream; ``x`` and the buffer were allocated on
+    the caller's stream, so they outlive the side work. Without CUDA (the Triton
+    interpreter) everything runs inline."""
     _require_triton()
     n = x.shape[0]
     out_features = sum(out_slices)
@@ -323,6 +354,43 @@ def linear_delta(
     )
     d = buf[: n * out_features].view(n, out_features)
     h = buf[n * out_features :].view(num_slices, n, max_rank)
+    shrink_cfg, expand_cfg = _side_configs(
+        n, x.shape[1], a.shape[1], max(out_slices), max_rank, x.element_size(), x.device
+    )
+    side = _side_stream(x.device)
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        ctx = torch.cuda.stream(side)
+    overwrite = DELTA_OVERWRITE
+    with ctx:
+        if not overwrite:
+            buf.zero_()
+        elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the shrink
+            h.zero_()  # skips are rows the expand does not read
+        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg)
+        launch_expand(d, h, b, tuple(out_slices), *routing, expand_cfg, overwrite=overwrite)
+    y = torch.nn.functional.linear(x, weight, bias)
+    if side is not None:
+        main.wait_stream(side)
+    return y, buf
+
+
+def linear_shrink(
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`lora_graph.ops.lora_linear_shrink`: the base linear on the caller's stream and,
+    overlapping it on the device's side stream, the shrink into a zeroed ``h``. Returns
+    after the caller's stream waits for the side stream. Without CUDA (the Triton
+    interpreter) everything runs inline."""
+    _require_triton()
+    n = x.shape[0]
+    max_rank = a.shape[1] // num_slices
+    h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+    shrink_cfg, _ = _side_configs(
+        n, x.shape[1], a.shape[1], weight.shape[0], max_rank, x.element_size(), x.device
+    )
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
@@ -330,10 +398,9 @@ def linear_delta(
         side.wait_stream(main)
         ctx = torch.cuda.stream(side)
     with ctx:
-        buf.zero_()
-        launch_shrink(x, a, h, *routing, max_rank)
-        launch_expand(d, h, b, tuple(out_slices), *routing)
+        h.zero_()  # h is exactly the shrink's: 0 on rows without a delta
+        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
-    return y, buf
+    return y, h
