@@ -396,6 +396,7 @@ def main() -> None:
     rows: dict = {}
     for variant, switches in variants:
         apply_switches(switches)
+        torch._dynamo.reset()  # each pipeline compiles the same layer code afresh
         ranks = [int(r) for r in switches.get("ranks", "16").split("/")]
         for i, name in enumerate(names):
             rank = ranks[i % len(ranks)]

@@ -10,6 +10,8 @@ with the device's queue kept short by small kernels, the wall time a call is its
     lora        the LoRA linear's forward (what a model calls)
     delta       the ``linear_delta`` implementation called directly (no op dispatch)
     shrink      ``launch_shrink`` alone, and ``expand`` ``launch_expand`` alone
+    ..., kernel[grid]   the same with every Triton launch through ``kernel[grid]`` instead
+                of :mod:`lora_graph.kernels.fast_launch`
 
 Microseconds a call: the median over ``--rounds`` rounds of the mean of ``--calls`` calls.
 
@@ -46,6 +48,7 @@ def per_call_us(fn, calls: int, rounds: int, sync) -> float:
     return statistics.median(times)
 
 
+@torch.inference_mode()  # as the engine runs a step
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,6 +114,19 @@ def main() -> None:
             args.rounds,
             sync,
         )
+        from lora_graph.kernels import fast_launch
+
+        enabled = fast_launch.enabled
+        fast_launch.enabled = lambda: False  # every launch through kernel[grid]
+        try:
+            results["shrink, kernel[grid]"] = per_call_us(
+                lambda: T.launch_shrink(x, a, h, *route, rank), args.calls, args.rounds, sync
+            )
+            results["lora, kernel[grid]"] = per_call_us(
+                lambda: layer(x, routing), args.calls, args.rounds, sync
+            )
+        finally:
+            fast_launch.enabled = enabled
     lines = ["| what | µs a call |", "|---|---:|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in results.items()]
     print(f"{device}: {n} rows, 4 adapters of rank {rank}, q/k/v {hidden}->{target.out_features}")

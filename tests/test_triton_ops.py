@@ -921,6 +921,43 @@ def test_gpu_ops_dispatch_to_triton(gpu_pools, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_fast_launch_runs_what_triton_runs(gpu_pools):
+    """The second launch of a key goes through the cached compiled kernel
+    (:mod:`lora_graph.kernels.fast_launch`) and gives bit-for-bit what the first, launched by
+    Triton, gave; a misaligned input is a new key (compiled by Triton, right too); and the
+    decode ops agree with the float64 reference through it."""
+    from lora_graph.kernels import fast_launch
+
+    pool = gpu_pools(4096)
+    t = pool.targets["qkv"]
+    a, b = pool.stacks("qkv")
+    routing = make_routing([(1, 3), (4, 2), (2, 2)], device=GPU, pad_to=GPU_SLOTS)
+    x = torch.randn(9, t.in_features, device=GPU).to(torch.bfloat16)
+    assert fast_launch.enabled()
+    outs = []
+    for _ in range(3):
+        h = T.shrink(x, a, t.num_slices, *routing)
+        y = torch.zeros(9, t.out_features, device=GPU, dtype=torch.bfloat16)
+        T.expand_(y, h, b, list(t.out_slices), *routing)
+        outs.append((h, y))
+    assert fast_launch.cached() >= 2
+    for h, y in outs[1:]:
+        assert torch.equal(h, outs[0][0]) and torch.equal(y, outs[0][1])
+    raw = torch.empty(x.numel() + 1, device=GPU, dtype=torch.bfloat16)
+    x_odd = raw[1:].view_as(x).copy_(x)  # 2 bytes past a 16-byte boundary
+    assert x_odd.data_ptr() % 16 != 0
+    assert torch.equal(T.shrink(x_odd, a, t.num_slices, *routing), outs[0][0])
+    _, y64, _ = reference64(pool, "qkv", x, torch.zeros(9, t.out_features, device=GPU), routing)
+    assert rel_err(outs[0][1], y64) < 1e-2
+    w = torch.randn(t.out_features, t.in_features, device=GPU).to(torch.bfloat16)
+    for _ in range(2):
+        y2, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing)
+        d = buf[: y2.numel()].view(y2.shape)
+        assert rel_err(d, y64) < 1e-2 and torch.equal(y2, x @ w.T)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("n", [65, 512, 2048])
 def test_gpu_expand_silu_mul_against_float64(n):
     """The fused expand + SwiGLU activation at Llama-3-8B's MLP width (gate/up 14336), rows

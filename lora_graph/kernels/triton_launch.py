@@ -15,6 +15,7 @@ import os
 import torch
 from torch import Tensor
 
+from lora_graph.kernels import fast_launch
 from lora_graph.kernels.triton_config import (
     ExpandConfig,
     ShrinkConfig,
@@ -123,16 +124,16 @@ def launch_shrink(
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(x):
         # fmt: off
-        _shrink_kernel[grid](
+        fast_launch.launch(_shrink_kernel, grid, (
             x, a, h, lora_ids, grouped_offsets, end,
             n, k, g, num_slots, cfg.k_per_split, n_items,
             x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
             h.stride(0), h.stride(1), h.stride(2),
+        ), dict(
             R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
             USE_DOT=cfg.use_dot, CAST_F32=f32, DOT_PRECISION="tf32x3" if f32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=x.device)
         # fmt: on
 
 
@@ -189,18 +190,18 @@ def launch_expand(
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(y):
         # fmt: off
-        _expand_kernel[grid](
+        fast_launch.launch(_expand_kernel, grid, (
             y, h, b, lora_ids, grouped_offsets, end,
             n, g, num_slots, n_items,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
+        ), dict(
             R=max_rank, G_POW2=max(16, next_pow2(groups)), NUM_SLICES=num_slices,
             N_COL_BLOCKS=n_blocks, SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
             BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32", OVERWRITE=overwrite,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=y.device)
         # fmt: on
 
 
@@ -254,17 +255,17 @@ def launch_expand_silu_mul(
     grid = (tiles, cdiv(n_blocks, per_program))
     with _device_guard(y):
         # fmt: off
-        _expand_silu_mul_kernel[grid](
+        fast_launch.launch(_expand_silu_mul_kernel, grid, (
             y, h, b, out, lora_ids, grouped_offsets, end,
             n, i, g, num_slots, tiles,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        ), dict(
             R=max_rank, G_POW2=max(16, next_pow2(g + 1)), N_COL_BLOCKS=n_blocks,
             BLOCKS_PER_PROGRAM=per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_R=cfg.block_r, NUM_STAGES=3, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps,
-        )
+        ), num_warps=cfg.num_warps, num_stages=3, device=y.device)
         # fmt: on
 
 
@@ -310,8 +311,10 @@ DELTA_OVERWRITE = True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream of a CUDA device (one per device, made on first use); None elsewhere."""
-    if device.type != "cuda":
+    """The side stream of a CUDA device (one per device, made on first use) while a CUDA graph
+    is being captured on it; None elsewhere. Outside a graph a LoRA call is bound by its
+    host time, not the device's, and switching streams would only add to it."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE_STREAMS.get(index)
@@ -343,8 +346,8 @@ def linear_delta(
     overlapping it on the device's side stream, the shrink (into a zeroed ``h``) and the
     expand, which writes every row of the float32 delta (no memset of it). Returns after
     the caller's stream waits for the side stream; ``x`` and the buffer were allocated on
-    the caller's stream, so they outlive the side work. Without CUDA (the Triton
-    interpreter) everything runs inline."""
+    the caller's stream, so they outlive the side work. Outside CUDA graph capture (eager
+    calls, the Triton interpreter) everything runs inline."""
     _require_triton()
     n = x.shape[0]
     out_features = sum(out_slices)
@@ -382,8 +385,8 @@ def linear_shrink(
 ) -> tuple[Tensor, Tensor]:
     """:func:`lora_graph.ops.lora_linear_shrink`: the base linear on the caller's stream and,
     overlapping it on the device's side stream, the shrink into a zeroed ``h``. Returns
-    after the caller's stream waits for the side stream. Without CUDA (the Triton
-    interpreter) everything runs inline."""
+    after the caller's stream waits for the side stream. Outside CUDA graph capture
+    everything runs inline."""
     _require_triton()
     n = x.shape[0]
     max_rank = a.shape[1] // num_slices
