@@ -10,6 +10,7 @@ bound into the layers.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -91,9 +92,11 @@ class LoRALinear(_LoRALayer):
 
     A ``per_segment`` target (an LM head) given a 2-D ``x`` ``[requests, in_features]`` is
     routed by request (:attr:`Routing.segments`); given ``[B, T, in_features]``, by token.
-    With kernels that have ``linear_delta`` and at most :data:`ops.DELTA_MAX_ROWS` rows
-    (decode), the base linear and the delta run in one op, the delta on a side stream, and
-    are added after it (``y + d`` in float32, rounded once).
+    With kernels that have ``linear_delta``, at most :data:`ops.DELTA_MAX_ROWS` rows
+    (decode), traced by ``torch.compile`` or captured in a CUDA graph, the base linear and
+    the delta run in one op, the delta on a side stream, and are added after it (``y + d``
+    in float32, rounded once). Otherwise shrink and expand run after the base linear, the
+    expand adding into ``y`` in float32 and rounding once: the same result.
     """
 
     def __init__(self, base: nn.Linear, *, target: LoraTarget, **kwargs) -> None:
@@ -107,8 +110,8 @@ class LoRALinear(_LoRALayer):
             return self.base(x)
         route = routing.segments if self.per_segment and x.dim() == 2 else routing.tokens
         x2 = x.reshape(-1, x.shape[-1])
-        k = self._kernels
-        if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:
+        k = _kernels_now(self._kernels)
+        if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS and _in_graph(x2):
             weight, bias = self.base.weight, self.base.bias
             y, buf = k.linear_delta(
                 x2, weight, bias, self.a, self.b, self.num_slices, self.out_slices, *route
@@ -128,19 +131,19 @@ class LoRALinear(_LoRALayer):
         :data:`ops.DELTA_MAX_ROWS` rows (decode) that needs ``linear_shrink`` (the shrink
         beside the base GEMM on a side stream) and :data:`ops.DECODE_FUSED_SILU`; without,
         decode takes :meth:`forward`'s side-stream delta and the activation after."""
-        k = self._kernels
+        k = _kernels_now(self._kernels)
         x2 = x.reshape(-1, x.shape[-1])
-        decode = x2.shape[0] <= ops.DELTA_MAX_ROWS
+        side = x2.shape[0] <= ops.DELTA_MAX_ROWS and _in_graph(x2)  # decode in a graph
         if (
             routing is None
             or k.expand_silu_mul is None
-            or (decode and (k.linear_shrink is None or not ops.DECODE_FUSED_SILU))
+            or (side and (k.linear_shrink is None or not ops.DECODE_FUSED_SILU))
             or self.per_segment
             or self.out_slices != [self.out_slices[0]] * 2
         ):
             return _silu_and_mul(self(x, routing))
         route = routing.tokens
-        if decode:
+        if side:
             weight, bias = self.base.weight, self.base.bias
             y, h = k.linear_shrink(x2, weight, bias, self.a, self.num_slices, *route)
         else:
@@ -148,6 +151,21 @@ class LoRALinear(_LoRALayer):
             h = k.shrink(x2, self.a, self.num_slices, *route)
         out = k.expand_silu_mul(y, h, self.b, *route)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _kernels_now(kernels: ops.Kernels) -> ops.Kernels:
+    """The ops while ``torch.compile`` traces (one opaque node each); outside, the
+    implementations they dispatch to, called directly (the dispatch is host time only)."""
+    if kernels.direct is None or torch.compiler.is_compiling():
+        return kernels
+    return kernels.direct
+
+
+def _in_graph(x: Tensor) -> bool:
+    """Whether this call is traced by ``torch.compile`` or captured into a CUDA graph: only
+    there does overlapping LoRA with the base GEMM on a side stream pay (an eager call is
+    bound by its host time; one fewer op and no float32 delta serve it better)."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class LoRAEmbedding(_LoRALayer):
@@ -167,8 +185,9 @@ class LoRAEmbedding(_LoRALayer):
         y = self.base(tokens)
         if routing is None:
             return y
-        h = self._kernels.embedding_shrink(tokens.reshape(-1), self.a, *routing.tokens)
-        self._kernels.expand(y.view(-1, y.shape[-1]), h, self.b, [y.shape[-1]], *routing.tokens)
+        k = _kernels_now(self._kernels)
+        h = k.embedding_shrink(tokens.reshape(-1), self.a, *routing.tokens)
+        k.expand(y.view(-1, y.shape[-1]), h, self.b, [y.shape[-1]], *routing.tokens)
         return y
 
 

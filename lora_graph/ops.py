@@ -231,6 +231,8 @@ class Kernels:
     linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
     expand_silu_mul: Callable[..., Tensor] | None = None
     linear_shrink: Callable[..., tuple[Tensor, Tensor]] | None = None
+    # the same implementations without the op dispatch, for eager calls (None: these are)
+    direct: Kernels | None = None
 
 
 def kernels(backend: str, device: torch.device) -> Kernels:
@@ -243,13 +245,27 @@ def kernels(backend: str, device: torch.device) -> Kernels:
     - ``"triton"``: the Triton kernels: the ops on CUDA; on the CPU under Triton's
       interpreter (``TRITON_INTERPRET=1``), the Triton implementations called directly.
 
+    On CUDA with Triton the ops carry the implementations they dispatch to as ``direct``,
+    which a LoRA layer calls outside ``torch.compile`` (the op's dispatch is host time only,
+    and eager host time is what a call outside a graph costs there).
+
     Raises:
         ValueError: for ``"triton"`` without Triton, or off CUDA without the interpreter;
             for an unknown backend.
     """
-    ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
+    torch_impl = Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
     if backend == "torch":
-        return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
+        return torch_impl
+    ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
+    impl = _triton()
+    triton_impl = impl and Kernels(
+        impl.shrink,
+        reference.embedding_shrink,
+        impl.expand_,
+        impl.linear_delta,
+        impl.expand_silu_mul,
+        impl.linear_shrink,
+    )
     cuda = Kernels(
         lora_shrink,
         lora_embedding_shrink,
@@ -257,11 +273,11 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         lora_linear_delta,
         lora_expand_silu_mul,
         lora_linear_shrink,
+        direct=triton_impl,
     )
     if backend == "auto":
-        return cuda if device.type == "cuda" and have_triton() else ops
+        return cuda if device.type == "cuda" and impl is not None else ops
     if backend == "triton":
-        impl = _triton()
         if impl is None:
             raise ValueError("backend='triton' but Triton is not installed")
         if device.type == "cuda":
@@ -270,12 +286,5 @@ def kernels(backend: str, device: torch.device) -> Kernels:
             raise ValueError(
                 "backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
             )
-        return Kernels(
-            impl.shrink,
-            reference.embedding_shrink,
-            impl.expand_,
-            impl.linear_delta,
-            impl.expand_silu_mul,
-            impl.linear_shrink,
-        )
+        return triton_impl
     raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")

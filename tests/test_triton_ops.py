@@ -541,20 +541,29 @@ def test_fake_registration_and_compile(pools):
 
 @interp
 @pytest.mark.parametrize(
-    "dtype, slot_dtype, max_len",
-    [(torch.float32, None, 8), (torch.float32, None, 16), (torch.bfloat16, torch.float32, 8)],
+    "dtype, slot_dtype, max_len, graph",
+    [
+        (torch.float32, None, 8, False),
+        (torch.float32, None, 8, True),
+        (torch.float32, None, 16, True),
+        (torch.bfloat16, torch.float32, 8, True),
+    ],
 )
-def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtype, max_len):
+def test_pipeline_on_triton_matches_torch_backend(
+    tiny_factory, monkeypatch, dtype, slot_dtype, max_len, graph
+):
     """The whole model on the Triton backend (interpreted) against the torch reference ops,
     on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
-    Triton one), the per-request LM head; and float32 slots under a bfloat16 model. Up to
-    ``DELTA_MAX_ROWS`` rows the base linear and the delta run in ``lora_linear_delta`` (the
-    delta on a side stream on CUDA); above, shrink and expand run in place."""
+    Triton one), the per-request LM head; and float32 slots under a bfloat16 model. In a
+    graph (``graph``: as if captured) and up to ``DELTA_MAX_ROWS`` rows, the base linear and
+    the delta run in ``lora_linear_delta`` (the delta on a side stream on CUDA) and the
+    MLP's gate/up in ``lora_linear_shrink``; otherwise shrink and expand run in place."""
     import dataclasses
 
     from conftest import make_pipeline, prompts
     from test_parity import MIX, run_prefill
 
+    import lora_graph.layers
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
@@ -586,13 +595,13 @@ def test_pipeline_on_triton_matches_torch_backend(tiny_factory, dtype, slot_dtyp
         layer._kernels = dataclasses.replace(
             kernels, linear_delta=counted, expand_silu_mul=counted_gated
         )
+    monkeypatch.setattr(lora_graph.layers, "_in_graph", lambda x: graph)
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
-    small = len(MIX) * max_len <= ops.DELTA_MAX_ROWS
-    # up to DELTA_MAX_ROWS: q/k/v, o and down of 2 layers + the LM head take the side-stream
-    # delta; gate/up shrinks beside its GEMM (linear_shrink); each layer's MLP expand and
-    # activation are fused at every size
+    small = graph and len(MIX) * max_len <= ops.DELTA_MAX_ROWS
+    # q/k/v, o and down of 2 layers + the LM head; gate/up through linear_shrink, its expand
+    # and activation fused at every size
     assert forks == (7 if small else 0)
     assert len(gated) == 2
     want = run_prefill(make_pipeline(t, dtype=dtype, slot_dtype=slot_dtype), batch, MIX)
@@ -984,3 +993,50 @@ def test_gpu_expand_silu_mul_against_float64(n):
     gy, uy = y[base].float().split(14336, dim=1)
     want_base = (gy * torch.sigmoid(gy) * uy).to(torch.bfloat16)
     torch.testing.assert_close(got[base], want_base, rtol=8e-3, atol=1e-5)
+
+
+def test_fast_launch_key_and_fallbacks():
+    """The fast launch's key tells apart what Triton specialises on (dtype, 16-byte
+    alignment, the value of a specialised integer, a 64-bit unspecialised one) and nothing
+    else; launch hooks, CPU tensors and the interpreter take Triton's own path."""
+    from lora_graph.kernels import fast_launch as F
+
+    if F.triton is None:
+        pytest.skip("needs Triton")
+    x = torch.zeros(64)
+    no_spec = frozenset({1})
+    base = F._key((x, 5, 16), no_spec)
+    assert F._key((torch.zeros(64), 6, 16), no_spec) == base  # unspecialised: value free
+    assert F._key((x[1:], 5, 16), no_spec) != base  # 4 bytes past a 16-byte boundary
+    assert F._key((x.double(), 5, 16), no_spec) != base
+    assert F._key((x, 5, 17), no_spec) != base  # specialised: by value
+    assert F._key((x, 2**40, 16), no_spec) != base  # no longer a 32-bit integer
+    runtime = F.triton.knobs.runtime
+    assert F.enabled() == (F._VERSION >= (3, 3))
+
+    def hook(*args):
+        pass
+
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert not F.enabled()
+        finally:
+            chain.remove(hook)
+    else:
+        runtime.launch_enter_hook = hook
+        try:
+            assert not F.enabled()
+        finally:
+            runtime.launch_enter_hook = chain
+    assert F.enabled() == (F._VERSION >= (3, 3))
+
+    launched = []
+
+    class Kernel:  # not a JITFunction (as under the interpreter): launched through [grid]
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((grid, a, kw))
+
+    F.launch(Kernel(), (3,), (x, 1), {"B": 2}, num_warps=4, num_stages=2, device=x.device)
+    assert launched == [((3,), (x, 1), {"B": 2, "num_warps": 4, "num_stages": 2})]

@@ -41,6 +41,11 @@ _SIGNATURES: dict[int, tuple[frozenset[int], tuple[str, ...]]] = {}
 _INT32 = (-(2**31), 2**31)
 
 
+def _unset(hook: Any) -> bool:
+    """A launch hook that does nothing: None, or (Triton 3.5+) a chain of no calls."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
 def enabled() -> bool:
     """Whether launches may skip ``kernel[grid]`` (Triton 3.3+, no launch hooks set)."""
     if triton is None or _VERSION < (3, 3):
@@ -48,7 +53,7 @@ def enabled() -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:
         return False
-    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
 
 
 def _signature(kernel: Any) -> tuple[frozenset[int], tuple[str, ...]] | None:
