@@ -23,6 +23,7 @@ pipeline each, captured after the variant's switches are set), e.g.
     overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
     side_programs=N    triton_launch.SIDE_MAX_PROGRAMS (cap on a side kernel's programs)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
+    slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks")
+VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -411,6 +412,9 @@ def main() -> None:
                 max_slots=16, max_rank=max(ranks), backend=args.backend, targets=targets
             ),
         )
+        if switches.get("slot_ranks", "1") == "0":
+            for layer in lora.manager.layers.values():
+                layer.ranks = None
         lora.enable_compile(args.mode, token_buckets=args.batch_sizes)
         print(f"[{variant}] (b-e) captured in {time.time() - t0:.1f} s", flush=True)
         t0 = time.time()

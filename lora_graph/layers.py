@@ -49,14 +49,16 @@ class Embedding(nn.Embedding):
 class _LoRALayer(nn.Module):
     """What every LoRA layer holds: its base module, its target, and its views of the slot
     pool, ``a`` and ``b`` (``[num_slots, ...]``, set once by wrapping: loading an adapter
-    into a slot rewrites the pool in place).
+    into a slot rewrites the pool in place), and ``ranks``, the pool's rank of each slot
+    (``[num_slots]`` int32, or None), handed to the kernels so they skip the zero columns.
 
     Raises:
         ValueError: if the base module's ``(in, out)`` shape is not the target's.
     """
 
     def __init__(self, base: nn.Module, *, target_name: str, target: LoraTarget, layer: int,
-                 a: Tensor, b: Tensor, kernels: ops.Kernels) -> None:  # fmt: skip
+                 a: Tensor, b: Tensor, kernels: ops.Kernels,
+                 ranks: Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
         shape, want = self._base_shape(base), (target.in_features, target.out_features)
         if shape != want:
@@ -69,6 +71,7 @@ class _LoRALayer(nn.Module):
         self.layer = layer
         self.a = a
         self.b = b
+        self.ranks = ranks
         self._kernels = kernels
 
     @staticmethod
@@ -114,13 +117,14 @@ class LoRALinear(_LoRALayer):
         if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS and _in_graph(x2):
             weight, bias = self.base.weight, self.base.bias
             y, buf = k.linear_delta(
-                x2, weight, bias, self.a, self.b, self.num_slices, self.out_slices, *route
-            )
+                x2, weight, bias, self.a, self.b, self.num_slices, self.out_slices, *route,
+                ranks=self.ranks,
+            )  # fmt: skip
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = self.base(x)
-        h = k.shrink(x2, self.a, self.num_slices, *route)
-        k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route)
+        h = k.shrink(x2, self.a, self.num_slices, *route, ranks=self.ranks)
+        k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route, ranks=self.ranks)
         return y
 
     def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
@@ -145,11 +149,13 @@ class LoRALinear(_LoRALayer):
         route = routing.tokens
         if side:
             weight, bias = self.base.weight, self.base.bias
-            y, h = k.linear_shrink(x2, weight, bias, self.a, self.num_slices, *route)
+            y, h = k.linear_shrink(
+                x2, weight, bias, self.a, self.num_slices, *route, ranks=self.ranks
+            )
         else:
             y = self.base(x2)
-            h = k.shrink(x2, self.a, self.num_slices, *route)
-        out = k.expand_silu_mul(y, h, self.b, *route)
+            h = k.shrink(x2, self.a, self.num_slices, *route, ranks=self.ranks)
+        out = k.expand_silu_mul(y, h, self.b, *route, ranks=self.ranks)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -187,7 +193,9 @@ class LoRAEmbedding(_LoRALayer):
             return y
         k = _kernels_now(self._kernels)
         h = k.embedding_shrink(tokens.reshape(-1), self.a, *routing.tokens)
-        k.expand(y.view(-1, y.shape[-1]), h, self.b, [y.shape[-1]], *routing.tokens)
+        k.expand(
+            y.view(-1, y.shape[-1]), h, self.b, [y.shape[-1]], *routing.tokens, ranks=self.ranks
+        )
         return y
 
 

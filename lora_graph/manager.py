@@ -409,6 +409,7 @@ class LoRAManager:
             lambda: self._host_image(entry),
             protected=lambda k: k in self._running or self.registry.get(k).pinned,
             prefer=lambda k: not self.registry.held(k),
+            rank=entry.rank,
         )
 
     def can_activate(self, names: set[str]) -> bool:
@@ -501,6 +502,7 @@ class LoRAManager:
             layout=self.layout,
             pool=self.slots.pool,
             kernels=self.kernels,
+            ranks=self.slots.ranks,
         )
         return model
 

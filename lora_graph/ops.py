@@ -7,6 +7,10 @@ Every op takes the routing triple ``(lora_ids, grouped_offsets, end)``
 (:mod:`lora_graph.routing`) and a LoRA layer's slot stacks, ``a`` ``[num_slots, S * R, K]``
 and ``b`` ``[num_slots, out_features, R]`` (views of the slot pool; slot 0 is the zero
 adapter), as inputs: a replay sees new routing and new slot contents without recompiling.
+The linear ops also take ``ranks`` (optional, ``[num_slots]`` int32: the rank of the
+adapter each slot holds, :attr:`lora_graph.slots.SlotPool.ranks`): a slot's A rows and B
+columns at or above it are zeros, which the kernels then do not read, so a step's cost
+follows its adapters' ranks rather than ``R``. The result is the same without it.
 
 - ``lora_graph::lora_shrink(x [N, K], a, num_slices, *routing) -> h [S, N, R]`` float32:
   ``h[s, t] = x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``, 0 after.
@@ -63,7 +67,13 @@ def have_triton() -> bool:
 
 @torch.library.custom_op("lora_graph::lora_shrink", mutates_args=())
 def lora_shrink(
-    x: Tensor, a: Tensor, num_slices: int, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+    x: Tensor,
+    a: Tensor,
+    num_slices: int,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    ranks: Tensor | None = None,
 ) -> Tensor:
     """Shrink (module docstring). Args: ``x`` ``[N, K]`` float32/bfloat16/float16; ``a``
     ``[num_slots, S * R, K]``; ``num_slices`` ``S``; the routing triple. Returns ``h``
@@ -72,13 +82,13 @@ def lora_shrink(
 
 
 @lora_shrink.register_kernel("cuda")
-def _(x, a, num_slices, lora_ids, grouped_offsets, end):
+def _(x, a, num_slices, lora_ids, grouped_offsets, end, ranks=None):
     impl = _triton()
-    return (impl or reference).shrink(x, a, num_slices, lora_ids, grouped_offsets, end)
+    return (impl or reference).shrink(x, a, num_slices, lora_ids, grouped_offsets, end, ranks=ranks)
 
 
 @lora_shrink.register_fake
-def _(x, a, num_slices, lora_ids, grouped_offsets, end):
+def _(x, a, num_slices, lora_ids, grouped_offsets, end, ranks=None):
     return x.new_empty((num_slices, x.shape[0], a.shape[1] // num_slices), dtype=torch.float32)
 
 
@@ -91,6 +101,7 @@ def lora_expand_(
     lora_ids: Tensor,
     grouped_offsets: Tensor,
     end: Tensor,
+    ranks: Tensor | None = None,
 ) -> None:
     """Expand, in place (module docstring). Args: ``y`` ``[N, sum(out_slices)]``; ``h``
     ``[S, N, R]`` float32 from :func:`lora_shrink`; ``b`` ``[num_slots, sum(out_slices), R]``;
@@ -99,18 +110,25 @@ def lora_expand_(
 
 
 @lora_expand_.register_kernel("cuda")
-def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
-    (_triton() or reference).expand_(y, h, b, out_slices, lora_ids, grouped_offsets, end)
+def _(y, h, b, out_slices, lora_ids, grouped_offsets, end, ranks=None):
+    impl = _triton() or reference
+    impl.expand_(y, h, b, out_slices, lora_ids, grouped_offsets, end, ranks=ranks)
 
 
 @lora_expand_.register_fake
-def _(y, h, b, out_slices, lora_ids, grouped_offsets, end):
+def _(y, h, b, out_slices, lora_ids, grouped_offsets, end, ranks=None):
     return None
 
 
 @torch.library.custom_op("lora_graph::lora_expand_silu_mul", mutates_args=())
 def lora_expand_silu_mul(
-    y: Tensor, h: Tensor, b: Tensor, lora_ids: Tensor, grouped_offsets: Tensor, end: Tensor
+    y: Tensor,
+    h: Tensor,
+    b: Tensor,
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    ranks: Tensor | None = None,
 ) -> Tensor:
     """Expand + gated activation (module docstring). Args: ``y`` ``[N, 2I]`` (the gate then
     the up projection, unchanged); ``h`` ``[2, N, R]`` float32 from :func:`lora_shrink`;
@@ -121,13 +139,13 @@ def lora_expand_silu_mul(
 
 
 @lora_expand_silu_mul.register_kernel("cuda")
-def _(y, h, b, lora_ids, grouped_offsets, end):
+def _(y, h, b, lora_ids, grouped_offsets, end, ranks=None):
     impl = _triton() or reference
-    return impl.expand_silu_mul(y, h, b, lora_ids, grouped_offsets, end)
+    return impl.expand_silu_mul(y, h, b, lora_ids, grouped_offsets, end, ranks=ranks)
 
 
 @lora_expand_silu_mul.register_fake
-def _(y, h, b, lora_ids, grouped_offsets, end):
+def _(y, h, b, lora_ids, grouped_offsets, end, ranks=None):
     return y.new_empty((y.shape[0], y.shape[1] // 2))
 
 
@@ -158,6 +176,7 @@ def lora_linear_delta(
     lora_ids: Tensor,
     grouped_offsets: Tensor,
     end: Tensor,
+    ranks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The base linear ``y = x @ weight.T + bias`` and the LoRA delta ``d`` that
     :func:`lora_expand_` would add to it, in one op so a compiler cannot schedule the GEMM
@@ -171,15 +190,15 @@ def lora_linear_delta(
 
 
 @lora_linear_delta.register_kernel("cuda")
-def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=None):
     impl = _triton() or reference
     return impl.linear_delta(
-        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end
+        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=ranks
     )
 
 
 @lora_linear_delta.register_fake
-def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end):
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=None):
     n, r = x.shape[0], a.shape[1] // num_slices
     return (
         x.new_empty((n, weight.shape[0])),
@@ -197,6 +216,7 @@ def lora_linear_shrink(
     lora_ids: Tensor,
     grouped_offsets: Tensor,
     end: Tensor,
+    ranks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The base linear ``y = x @ weight.T + bias`` and :func:`lora_shrink`'s ``h``, in one op
     so the shrink can run beside the GEMM (module docstring). Returns ``(y, h)``: ``y``
@@ -205,13 +225,15 @@ def lora_linear_shrink(
 
 
 @lora_linear_shrink.register_kernel("cuda")
-def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end):
+def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end, ranks=None):
     impl = _triton() or reference
-    return impl.linear_shrink(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end)
+    return impl.linear_shrink(
+        x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end, ranks=ranks
+    )
 
 
 @lora_linear_shrink.register_fake
-def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end):
+def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end, ranks=None):
     n, r = x.shape[0], a.shape[1] // num_slices
     return x.new_empty((n, weight.shape[0])), x.new_empty((num_slices, n, r), dtype=torch.float32)
 

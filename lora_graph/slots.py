@@ -71,6 +71,9 @@ class SlotPool:
         self, num_slots: int, numel: int, *, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.pool = torch.zeros(num_slots, numel, dtype=dtype, device=device)
+        # each slot's rank (0: slot 0, and slots never written): the kernels skip a slot's
+        # A rows and B columns from it on, zeros in every image (the ops' ``ranks``)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self._owner: OrderedDict[str, int] = OrderedDict()  # key -> slot, oldest first
         self.loads = 0  # weight copies into slots; a steady-state step makes none
         self.hits = 0  # activations that found the key in a slot
@@ -98,10 +101,12 @@ class SlotPool:
         *,
         protected: Callable[[str], bool],
         prefer: Callable[[str], bool],
+        rank: int | None = None,
     ) -> int:
         """Give ``key`` a slot and return it; copy ``image()`` in only if it has none. A
         full pool evicts the least recently used unprotected owner, ``prefer``-ed ones
-        first.
+        first. ``rank``: the image's rank (its blocks are zero from it on; None: the pool's
+        full width, every column read).
 
         Raises:
             NoFreeSlotError: if every owner is protected.
@@ -113,6 +118,7 @@ class SlotPool:
             return slot
         slot = self._free_slot(protected, prefer)
         self.pool[slot].copy_(image(), non_blocking=True)
+        self.ranks[slot] = torch.iinfo(torch.int32).max if rank is None else rank
         self.loads += 1
         self._owner[key] = slot
         return slot

@@ -25,12 +25,14 @@ def wrap_model(
     layout: SlotLayout,
     pool: Tensor,
     kernels: Kernels,
+    ranks: Tensor | None = None,
 ) -> dict[tuple[str, int], LoRALayer]:
     """Replace, in place, every target module of ``model`` with its LoRA layer.
 
     Each layer gets stacked views of its blocks in ``pool`` ``[num_slots, layout.numel]``:
     ``a`` ``[num_slots, S * R, in_features]`` (an embedding: ``[num_slots, vocab, R]``) and
-    ``b`` ``[num_slots, out_features, R]``.
+    ``b`` ``[num_slots, out_features, R]``; and ``ranks`` ``[num_slots]``, each slot's rank
+    (:attr:`lora_graph.slots.SlotPool.ranks`; None: every slot read to ``R``).
 
     Returns:
         the LoRA layers by ``(target, layer)``.
@@ -53,16 +55,14 @@ def wrap_model(
                 if not isinstance(base, nn.Embedding):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Embedding")
                 a = slot_stack(pool, a_off, (target.in_features, r))
-                lora = LoRAEmbedding(
-                    base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels
-                )
+                lora = LoRAEmbedding(base, target_name=name, target=target, layer=layer, a=a, b=b,
+                                     kernels=kernels, ranks=ranks)  # fmt: skip
             else:
                 if not isinstance(base, nn.Linear):
                     raise TypeError(f"{path} is a {type(base).__name__}, not an nn.Linear")
                 a = slot_stack(pool, a_off, (target.num_slices * r, target.in_features))
-                lora = LoRALinear(
-                    base, target_name=name, target=target, layer=layer, a=a, b=b, kernels=kernels
-                )
+                lora = LoRALinear(base, target_name=name, target=target, layer=layer, a=a, b=b,
+                                  kernels=kernels, ranks=ranks)  # fmt: skip
             setattr(parent, attr, lora)
             layers[(name, layer)] = lora
     return layers

@@ -21,7 +21,13 @@ WRITES_JSON = {
     "serve_load.py",
 }
 # decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline)
-EXTRA = {"decode.py": ["--variants", "now", "v:ranks=4/8,fused_silu=0,overwrite=0,side_programs=4"]}
+EXTRA = {
+    "decode.py": [
+        "--variants",
+        "now",
+        "v:ranks=4/8,fused_silu=0,overwrite=0,side_programs=4,slot_ranks=0",
+    ]
+}
 
 
 def test_every_benchmark_is_covered():

@@ -90,6 +90,29 @@ def test_slot_reuse_keeps_nothing_of_previous_owner(tiny, previous):
     )
 
 
+def test_slot_ranks_follow_their_adapters(tiny):
+    """``SlotPool.ranks`` holds each slot's adapter rank (the largest of its modules: D has
+    rank 8 with its LM head at 4) as slots change owner, and every block of a slot is zero
+    from that rank on: the kernels skip those columns, so the invariant is what makes that
+    exact."""
+    pipe = make_pipeline(tiny, max_slots=2)
+    m = pipe.manager
+    assert m.slots.ranks.tolist() == [0, 0, 0]
+    expected = {"A": 8, "B": 4, "C": 16, "D": 8}
+    for name in ("A", "B", "C", "D", "B"):
+        slot = m.activate_adapter(name)
+        assert int(m.slots.ranks[slot]) == expected[name], name
+        rank = expected[name]
+        for target, layer in m.layout.blocks:
+            a = m.layout.a_view(m.pool[slot], target, layer)
+            b = m.layout.b_view(m.pool[slot], target, layer)
+            # A [S, R, in] (an embedding's [vocab, R]) and B [out, R]: dim 1 is the rank
+            assert not a[:, rank:].any() and not b[:, rank:].any(), (name, target, layer)
+    assert int(m.slots.ranks[0]) == 0
+    for layer in m.layers.values():
+        assert layer.ranks is m.slots.ranks
+
+
 def test_reload_with_new_weights_serves_new_weights(tiny, tmp_path):
     pipe = make_pipeline(tiny, load=())
     m = pipe.manager

@@ -484,6 +484,60 @@ def test_decode_ops_write_every_row(pools, dtype, groups, n):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_columns_past_a_slots_rank_are_not_read(dtype):
+    """With ``ranks``, every kernel skips a slot's A rows and B columns at or above its rank:
+    garbage put there changes nothing (without ``ranks`` it does), and the results equal the
+    float64 reference of the clean pool; h stays exact (0 past the rank)."""
+    targets = {**TARGETS, "gate_up": GATE_UP}
+    clean = Pool(targets, RANKS, MAX_RANK, NUM_SLOTS, dtype, seed=21)
+    dirty = Pool(targets, RANKS, MAX_RANK, NUM_SLOTS, dtype, seed=21)
+    ranks = torch.tensor([RANKS.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32)
+    for name, t in targets.items():
+        a, b = dirty.stacks(name)
+        for slot in range(NUM_SLOTS):
+            r = int(ranks[slot])
+            a[slot].view(t.num_slices, MAX_RANK, -1)[:, r:] = 1e3
+            b[slot, :, r:] = -1e3
+    groups = mixed_groups(30)
+    routing = make_routing(groups, pad_to=8)
+    n = 37
+    g = torch.Generator().manual_seed(3)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name in ("qkv", "down"):
+        t = targets[name]
+        x = torch.randn(n, t.in_features, generator=g).to(dtype)
+        y0 = torch.randn(n, t.out_features, generator=g).to(dtype)
+        h64, y64, _ = reference64(clean, name, x, y0, routing)
+        a, b = dirty.stacks(name)
+        h = T.shrink(x, a, t.num_slices, *routing, ranks=ranks)
+        torch.testing.assert_close(h.double(), h64, rtol=tol, atol=tol)
+        y = y0.clone()
+        T.expand_(y, h, b, list(t.out_slices), *routing, ranks=ranks)
+        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+        y_blind = y0.clone()
+        T.expand_(y_blind, T.shrink(x, a, t.num_slices, *routing), b, list(t.out_slices), *routing)
+        assert rel_err(y_blind, y64) > 1e-1  # the garbage is read without ranks
+        w = torch.randn(t.out_features, t.in_features, generator=g).to(dtype)
+        _, d, _ = reference64(clean, name, x, torch.zeros(n, t.out_features), routing)
+        _, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing,
+                                ranks=ranks)  # fmt: skip
+        torch.testing.assert_close(
+            buf[: n * t.out_features].view(n, -1).double(), d, rtol=tol, atol=tol
+        )
+        _, h2 = T.linear_shrink(x, w, None, a, t.num_slices, *routing, ranks=ranks)
+        torch.testing.assert_close(h2.double(), h64, rtol=tol, atol=tol)
+    x = torch.randn(n, 64, generator=g).to(dtype)
+    y = torch.randn(n, 80, generator=g).to(dtype)
+    a, b = dirty.stacks("gate_up")
+    ca, cb = clean.stacks("gate_up")
+    h = T.shrink(x, a, 2, *routing, ranks=ranks)
+    want = reference.expand_silu_mul(y, reference.shrink(x, ca, 2, *routing), cb, *routing)
+    got = T.expand_silu_mul(y, h, b, *routing, ranks=ranks)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * tol, atol=2 * tol)
+
+
+@interp
 def test_routing_changes_in_place_need_nothing_new(pools):
     """Persistent routing buffers refilled in place: from 2 groups to every group in use,
     and a slot rewritten in place; the ops see both (as a graph replay would)."""
@@ -581,15 +635,16 @@ def test_pipeline_on_triton_matches_torch_backend(
     assert kernels.shrink is T.shrink and kernels.linear_delta is T.linear_delta
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return T.linear_delta(*args)
+        assert kwargs["ranks"] is pipe.manager.slots.ranks
+        return T.linear_delta(*args, **kwargs)
 
     gated = []
 
-    def counted_gated(*args):
+    def counted_gated(*args, **kwargs):
         gated.append(1)
-        return T.expand_silu_mul(*args)
+        return T.expand_silu_mul(*args, **kwargs)
 
     for layer in pipe.manager.layers.values():
         layer._kernels = dataclasses.replace(

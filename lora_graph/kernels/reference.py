@@ -1,7 +1,10 @@
 """The pure-torch reference of every LoRA op (:mod:`lora_graph.ops`): the CPU
 implementation, and the twin every fast kernel is tested against.
 
-``*routing`` is the triple ``(lora_ids, grouped_offsets, end)``. Slot stacks are each LoRA
+``*routing`` is the triple ``(lora_ids, grouped_offsets, end)``. ``ranks`` (each slot's
+rank, ``[num_slots]``) is accepted and not needed: a slot's A rows and B columns at or
+above its rank are zeros, which the reference reads like any other value (the kernels use
+it to skip them). Slot stacks are each LoRA
 layer's views of the slot pool: ``a`` ``[num_slots, S * R, K]``
 (the A of slice ``s`` in rows ``s*R:(s+1)*R``), ``b`` ``[num_slots, out_features, R]``;
 an embedding's ``a`` is ``[num_slots, vocab, R]`` (PEFT's ``lora_embedding_A``
@@ -16,7 +19,9 @@ from torch import Tensor
 from lora_graph.routing import row_slots
 
 
-def shrink(x: Tensor, a: Tensor, num_slices: int, *routing: Tensor) -> Tensor:
+def shrink(
+    x: Tensor, a: Tensor, num_slices: int, *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:
     """Semantics: ``h[s, t] = x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``; 0 after.
 
     Returns ``h`` ``[num_slices, N, R]`` float32."""
@@ -38,7 +43,10 @@ def embedding_shrink(tokens: Tensor, a: Tensor, *routing: Tensor) -> Tensor:
     return torch.where((slot_of >= 0)[:, None], h, 0.0)[None]
 
 
-def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor) -> None:
+def expand_(
+    y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor,
+    ranks: Tensor | None = None,
+) -> None:  # fmt: skip
     """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``; rows
     at or after ``end`` are left bit-for-bit unchanged."""
     slot_of = row_slots(h.shape[1], *routing)
@@ -51,7 +59,9 @@ def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Te
             start += width
 
 
-def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor:
+def expand_silu_mul(
+    y: Tensor, h: Tensor, b: Tensor, *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:
     """Semantics: ``[g | u] = y`` (``[N, 2I]``) after :func:`expand_` with slices ``(I, I)``
     (on a copy; ``y`` is unchanged); returns ``silu(g) * u`` ``[N, I]`` in ``y``'s dtype (the
     gated MLP's activation, Shazeer 2020, "GLU Variants Improve Transformer")."""
@@ -64,7 +74,7 @@ def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor
 
 def linear_delta(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
-    out_slices: list[int], *routing: Tensor
+    out_slices: list[int], *routing: Tensor, ranks: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Semantics: ``y = x @ weight.T + bias`` and the float32 delta ``d`` that
     :func:`expand_` would add, returned as ``(y, buf)`` with ``d`` the first
@@ -78,7 +88,8 @@ def linear_delta(
 
 
 def linear_shrink(
-    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor,
+    ranks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Semantics: ``(x @ weight.T + bias, shrink(x, a, num_slices, *routing))``."""
     return torch.nn.functional.linear(x, weight, bias), shrink(x, a, num_slices, *routing)

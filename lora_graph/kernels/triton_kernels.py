@@ -112,8 +112,17 @@ if HAVE_TRITON:
         return slot_g, lo_g + (tile - first_g) * BLOCK_M, hi_g
 
     @triton.jit
+    def _slot_rank(ranks_ptr, slot, R: tl.constexpr, HAS_RANKS: tl.constexpr):
+        """Columns of ``slot``'s blocks that may be nonzero: ``min(ranks[slot], R)``, or ``R``
+        without a rank table (columns at or above an adapter's rank are zero in its slot)."""
+        if HAS_RANKS:
+            return tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
+        else:
+            return slot * 0 + R
+
+    @triton.jit
     def _shrink_tile(
-        x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+        x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K, k_per_split,
         stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
         R: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
@@ -124,6 +133,7 @@ if HAVE_TRITON:
         rows = offs_m.to(tl.int64)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_j = offs_j < SR
+        mask_a = mask_j & ((offs_j % R) < rank)  # the A rows past the slot's rank: not read
         offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
 
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -133,7 +143,7 @@ if HAVE_TRITON:
         for kk in range(0, k_per_split, BLOCK_K):
             mask_k = offs_k < K - kk
             xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=mask_k[:, None] & mask_a[None, :], other=0.0)
             if USE_DOT:
                 if CAST_F32:
                     xt = xt.to(tl.float32)
@@ -149,15 +159,15 @@ if HAVE_TRITON:
         h_ptrs = h_ptr + s[None, :] * stride_hs + rows[:, None] * stride_hm + r[None, :] * stride_hr
         mask = mask_m[:, None] & mask_j[None, :]
         if SPLIT_K == 1:
-            tl.store(h_ptrs, acc, mask=mask)
+            tl.store(h_ptrs, acc, mask=mask)  # 0 past the rank: h stays exact
         else:
-            tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
+            tl.atomic_add(h_ptrs, acc, mask=mask_m[:, None] & mask_a[None, :], sem="relaxed")
 
     # Row counts, group counts and item counts are not specialised on (one binary serves
     # every batch bucket with the same tiles); K and the strides are (vectorised loads).
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
     def _shrink_kernel(
-        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        x_ptr, a_ptr, h_ptr, lora_ids_ptr, offsets_ptr, end_ptr, ranks_ptr,
         N, K, G, num_slots, k_per_split, n_items,
         stride_xm, stride_xk,
         stride_as, stride_aj, stride_ak,
@@ -165,12 +175,15 @@ if HAVE_TRITON:
         R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
     ):
         """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot(t), j, k]`` for every
         work item ``(row tile, column block, K split)`` this program owns.
 
         x ``[N, K]``; A ``[num_slots, S*R, K]`` (strided pool view); h ``[S, N, R]`` fp32.
+        With ``HAS_RANKS``, ``ranks[slot]`` bounds the nonzero rows of each slice of a slot's A
+        (``[num_slots]`` int32): rows ``j % R`` at or above it are not read, and an item whose
+        column block holds none below it does nothing (its ``h`` stays as it was: zero).
         Items are numbered ``tile * (n_col_blocks * SPLIT_K) + col_block * SPLIT_K + split``;
         program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
         """
@@ -182,8 +195,12 @@ if HAVE_TRITON:
             pid_n = (item % per_tile) // SPLIT_K
             pid_k = item % SPLIT_K
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
-            if row0 < hi:
-                _shrink_tile(x_ptr, a_ptr, h_ptr, slot, row0, hi, pid_n, pid_k, K, k_per_split,
+            rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
+            if (row0 < hi) & live:
+                _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
+                             k_per_split,
                              stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
                              stride_hs, stride_hm, stride_hr,
                              R, SR, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32,
@@ -191,7 +208,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _expand_tile(
-        y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+        y_ptr, h_ptr, b_ptr, slot, rank, row0, hi, pid_n,
         stride_ym, stride_yn, stride_hs, stride_hm, stride_hr, stride_bs, stride_bn, stride_br,
         R: tl.constexpr, NUM_SLICES: tl.constexpr,
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
@@ -217,7 +234,7 @@ if HAVE_TRITON:
         mask_c = offs_c < width
         cols = col0 + offs_c
         offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < R
+        mask_r = offs_r < rank  # B's columns (and h's) past the slot's rank are not read
         if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
             mask_r = mask_r & ((offs_r * 0 + slot) > 0)
 
@@ -242,7 +259,7 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_items"])
     def _expand_kernel(
-        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        y_ptr, h_ptr, b_ptr, lora_ids_ptr, offsets_ptr, end_ptr, ranks_ptr,
         N, G, num_slots, n_items,
         stride_ym, stride_yn,
         stride_hs, stride_hm, stride_hr,
@@ -252,11 +269,13 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
+        HAS_RANKS: tl.constexpr,
     ):
         """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
         for every work item ``(row tile, column block)`` this program owns; with
         ``OVERWRITE``, ``y[t, c] = cast(sum_r ...)`` for every row ``t < N`` (0 for rows that
-        get no delta, whose ``h`` and ``B`` are not read), so ``y`` need not be zeroed.
+        get no delta, whose ``h`` and ``B`` are not read), so ``y`` need not be zeroed. With
+        ``HAS_RANKS`` the sum runs over ``r < ranks[slot(t)]`` only (the rest are zeros).
 
         y ``[N, out]``; h ``[S, N, R]`` fp32; B ``[num_slots, out, R]`` (strided pool view).
         The slices' column blocks are laid end to end: slice ``i`` owns blocks from
@@ -272,10 +291,11 @@ if HAVE_TRITON:
             tile = item // runs
             first = (item % runs) * BLOCKS_PER_ITEM
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
             if row0 < hi:
                 stop = tl.minimum(first + BLOCKS_PER_ITEM, N_COL_BLOCKS)
                 for pid_n in tl.range(first, stop, num_stages=NUM_STAGES):
-                    _expand_tile(y_ptr, h_ptr, b_ptr, slot, row0, hi, pid_n,
+                    _expand_tile(y_ptr, h_ptr, b_ptr, slot, rank, row0, hi, pid_n,
                                  stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
                                  stride_bs, stride_bn, stride_br,
                                  R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
@@ -283,14 +303,14 @@ if HAVE_TRITON:
     # HALF is specialised on (its divisibility by 16 lets the up half's loads vectorise)
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_tiles"])
     def _expand_silu_mul_kernel(
-        y_ptr, h_ptr, b_ptr, out_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        y_ptr, h_ptr, b_ptr, out_ptr, lora_ids_ptr, offsets_ptr, end_ptr, ranks_ptr,
         N, HALF, G, num_slots, n_tiles,
         stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
         stride_bs, stride_bn, stride_br, stride_om, stride_on,
         R: tl.constexpr, G_POW2: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
         BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
     ):
         """Semantics: with ``g = cast(y[t, c] + d_0)``, ``u = cast(y[t, HALF + c] + d_1)``
         (``d_s = h[s, t] . B[slot(t), s*HALF + c]``, 0 for rows that get no delta; ``cast``
@@ -313,8 +333,9 @@ if HAVE_TRITON:
             mask_m = offs_m < hi
             rows = offs_m.to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
-            # rows without a delta read neither h nor B
-            mask_r = (offs_r < R) & ((offs_r * 0 + slot) > 0)
+            # rows without a delta read neither h nor B; nor does any row past its slot's rank
+            rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
+            mask_r = (offs_r < rank) & ((offs_r * 0 + slot) > 0)
             mask_h = mask_m[:, None] & mask_r[None, :]
             h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
             hg = tl.load(h_ptrs, mask=mask_h, other=0.0)

@@ -52,6 +52,10 @@ def _require_triton() -> None:
         )
 
 
+def _opt(t: Tensor | None) -> tuple[Tensor, ...]:
+    return () if t is None else (t,)
+
+
 def _check_devices(*tensors: Tensor) -> None:
     device = tensors[0].device
     if any(t.device != device for t in tensors[1:]):
@@ -91,6 +95,8 @@ def launch_shrink(
     end: Tensor,
     max_rank: int,
     config: ShrinkConfig | None = None,
+    *,
+    ranks: Tensor | None = None,
 ) -> None:
     """Semantics: ``h[s, t] (+)= x[t] @ a[slot(t), s*R:(s+1)*R].T`` for rows ``t < end``.
 
@@ -102,6 +108,8 @@ def launch_shrink(
         lora_ids, grouped_offsets, end: the routing triple (``[G]``, ``[G + 1]``, ``[1]`` int).
         max_rank: ``R``.
         config: tiles; :func:`shrink_config` when None.
+        ranks: ``[num_slots]`` int32, each slot's rank (its A rows at or above it are zeros
+            and are not read); None: every slot is read to ``max_rank``.
     """
     _require_triton()
     n, k = x.shape
@@ -110,7 +118,7 @@ def launch_shrink(
     if n == 0 or g == 0:
         return
     assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
-    _check_devices(x, a, h, lora_ids, grouped_offsets, end)
+    _check_devices(x, a, h, lora_ids, grouped_offsets, end, *_opt(ranks))
     cfg = config or shrink_config(n, k, sr, x.element_size(), device_sms(x.device))
     # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
     # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
@@ -125,7 +133,7 @@ def launch_shrink(
     with _device_guard(x):
         # fmt: off
         fast_launch.launch(_shrink_kernel, grid, (
-            x, a, h, lora_ids, grouped_offsets, end,
+            x, a, h, lora_ids, grouped_offsets, end, lora_ids if ranks is None else ranks,
             n, k, g, num_slots, cfg.k_per_split, n_items,
             x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
             h.stride(0), h.stride(1), h.stride(2),
@@ -133,6 +141,7 @@ def launch_shrink(
             R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
             USE_DOT=cfg.use_dot, CAST_F32=f32, DOT_PRECISION="tf32x3" if f32 else "tf32",
+            HAS_RANKS=ranks is not None,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=x.device)
         # fmt: on
 
@@ -154,6 +163,7 @@ def launch_expand(
     config: ExpandConfig | None = None,
     *,
     overwrite: bool = False,
+    ranks: Tensor | None = None,
 ) -> None:
     """Semantics: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T`` for rows ``t < end``;
     with ``overwrite``, ``y[t, slice_s] = h[s, t] @ b[slot(t), slice_s].T`` for every row
@@ -168,6 +178,7 @@ def launch_expand(
         lora_ids, grouped_offsets, end: the routing triple.
         config: tiles; :func:`expand_config` when None.
         overwrite: write every row instead of adding to the rows that get a delta.
+        ranks: as :func:`launch_shrink` (B's columns at or above a slot's rank: not read).
     """
     _require_triton()
     num_slices, n, max_rank = h.shape
@@ -176,7 +187,7 @@ def launch_expand(
     if n == 0 or (g == 0 and not overwrite):
         return
     assert r_b == max_rank and len(out_slices) == num_slices and y.shape == (n, out_features)
-    _check_devices(y, h, b, lora_ids, grouped_offsets, end)
+    _check_devices(y, h, b, lora_ids, grouped_offsets, end, *_opt(ranks))
     cfg = config or expand_config(
         n, max(out_slices), max_rank, y.element_size(), device_sms(y.device)
     )
@@ -191,7 +202,7 @@ def launch_expand(
     with _device_guard(y):
         # fmt: off
         fast_launch.launch(_expand_kernel, grid, (
-            y, h, b, lora_ids, grouped_offsets, end,
+            y, h, b, lora_ids, grouped_offsets, end, lora_ids if ranks is None else ranks,
             n, g, num_slots, n_items,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
@@ -201,6 +212,7 @@ def launch_expand(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
             BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32", OVERWRITE=overwrite,
+            HAS_RANKS=ranks is not None,
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=y.device)
         # fmt: on
 
@@ -215,6 +227,8 @@ def launch_expand_silu_mul(
     end: Tensor,
     config: ExpandConfig | None = None,
     blocks_per_program: int | None = None,
+    *,
+    ranks: Tensor | None = None,
 ) -> None:
     """Semantics: ``out = silu(g) * u`` where ``[g | u] = y`` plus the delta
     :func:`launch_expand` would add (each rounded to ``y``'s dtype first), for every row.
@@ -228,6 +242,7 @@ def launch_expand_silu_mul(
         config: tiles; :func:`expand_config` with columns of at most 64 when None.
         blocks_per_program: column blocks one program walks; when None, enough that about
             four programs a SM cover the step.
+        ranks: as :func:`launch_shrink`.
     """
     _require_triton()
     num_slices, n, max_rank = h.shape
@@ -237,7 +252,7 @@ def launch_expand_silu_mul(
     assert num_slices == 2 and r_b == max_rank and y.shape == (n, 2 * i) and out.shape == (n, i)
     if n == 0:
         return
-    _check_devices(y, h, b, out, lora_ids, grouped_offsets, end)
+    _check_devices(y, h, b, out, lora_ids, grouped_offsets, end, *_opt(ranks))
     if config is None:
         cfg = expand_config(n, i, max_rank, y.element_size(), device_sms(y.device))
         block_n = min(cfg.block_n, 64)
@@ -256,7 +271,7 @@ def launch_expand_silu_mul(
     with _device_guard(y):
         # fmt: off
         fast_launch.launch(_expand_silu_mul_kernel, grid, (
-            y, h, b, out, lora_ids, grouped_offsets, end,
+            y, h, b, out, lora_ids, grouped_offsets, end, lora_ids if ranks is None else ranks,
             n, i, g, num_slots, tiles,
             y.stride(0), y.stride(1), h.stride(0), h.stride(1), h.stride(2),
             b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
@@ -265,6 +280,7 @@ def launch_expand_silu_mul(
             BLOCKS_PER_PROGRAM=per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_R=cfg.block_r, NUM_STAGES=3, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            HAS_RANKS=ranks is not None,
         ), num_warps=cfg.num_warps, num_stages=3, device=y.device)
         # fmt: on
 
@@ -274,28 +290,35 @@ def launch_expand_silu_mul(
 # --------------------------------------------------------------------------------------
 
 
-def shrink(x: Tensor, a: Tensor, num_slices: int, *routing: Tensor) -> Tensor:
+def shrink(
+    x: Tensor, a: Tensor, num_slices: int, *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:
     """:func:`lora_graph.ops.lora_shrink` in one launch for all slices (split-K with fp32
     atomics at small ``N``, into a zeroed ``h``)."""
     _require_triton()
     max_rank = a.shape[1] // num_slices
     h = torch.zeros((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    launch_shrink(x, a, h, *routing, max_rank)
+    launch_shrink(x, a, h, *routing, max_rank, ranks=ranks)
     return h
 
 
-def expand_(y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor) -> None:
+def expand_(
+    y: Tensor, h: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor,
+    ranks: Tensor | None = None,
+) -> None:  # fmt: skip
     """:func:`lora_graph.ops.lora_expand_` in one launch for all slices; the sum is formed in
     fp32 and cast to ``y``'s dtype once."""
     _require_triton()
-    launch_expand(y, h, b, tuple(out_slices), *routing)
+    launch_expand(y, h, b, tuple(out_slices), *routing, ranks=ranks)
 
 
-def expand_silu_mul(y: Tensor, h: Tensor, b: Tensor, *routing: Tensor) -> Tensor:
+def expand_silu_mul(
+    y: Tensor, h: Tensor, b: Tensor, *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:
     """:func:`lora_graph.ops.lora_expand_silu_mul` in one launch."""
     _require_triton()
     out = torch.empty((y.shape[0], y.shape[1] // 2), dtype=y.dtype, device=y.device)
-    launch_expand_silu_mul(y, h, b, out, *routing)
+    launch_expand_silu_mul(y, h, b, out, *routing, ranks=ranks)
     return out
 
 
@@ -340,7 +363,7 @@ def _side_configs(
 
 def linear_delta(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
-    out_slices: list[int], *routing: Tensor
+    out_slices: list[int], *routing: Tensor, ranks: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`lora_graph.ops.lora_linear_delta`: the base linear on the caller's stream and,
     overlapping it on the device's side stream, the shrink (into a zeroed ``h``) and the
@@ -372,8 +395,10 @@ def linear_delta(
             buf.zero_()
         elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the shrink
             h.zero_()  # skips are rows the expand does not read
-        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg)
-        launch_expand(d, h, b, tuple(out_slices), *routing, expand_cfg, overwrite=overwrite)
+        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
+        launch_expand(
+            d, h, b, tuple(out_slices), *routing, expand_cfg, overwrite=overwrite, ranks=ranks
+        )
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
@@ -381,8 +406,9 @@ def linear_delta(
 
 
 def linear_shrink(
-    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor,
+    ranks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`lora_graph.ops.lora_linear_shrink`: the base linear on the caller's stream and,
     overlapping it on the device's side stream, the shrink into a zeroed ``h``. Returns
     after the caller's stream waits for the side stream. Outside CUDA graph capture
@@ -402,7 +428,7 @@ def linear_shrink(
         ctx = torch.cuda.stream(side)
     with ctx:
         h.zero_()  # h is exactly the shrink's: 0 on rows without a delta
-        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg)
+        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
