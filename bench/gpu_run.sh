@@ -5,7 +5,7 @@
 #   bash bench/gpu_run.sh decode    bench/decode.py at mean context 1k (Triton backend, CUDA graphs;
 #                                   max_seq_len 8192 compared) + bench/attention.py
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
-#   bash bench/gpu_run.sh decodevar bench/decode.py at context 64 over variants of the decode LoRA path
+#   bash bench/gpu_run.sh decodevar bench/decode.py at context CONTEXT (64) over variants of the decode LoRA path
 #                                   (VARIANTS, default: the code's defaults against session 7's path,
 #                                   ranks 8/16/32/64 mixed in a rank-64 pool, with and without slot ranks)
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
@@ -52,7 +52,8 @@ for stage in "$@"; do
       python3 bench/decode.py --backend triton --skip-peft --context "${CONTEXT:-64}" \
         --variants ${VARIANTS:-now "s7:fused_silu=0,overwrite=0,slot_ranks=0" \
         "mixed:ranks=8/16/32/64" "mixed_blind:ranks=8/16/32/64,slot_ranks=0"} \
-        --json "$OUT/decode_variants.json" 2>&1 | tee "$OUT/decode_variants.log" | grep -v Warning | tail -30 ;;
+        --json "$OUT/decode_variants_${CONTEXT:-64}.json" 2>&1 | tee "$OUT/decode_variants_${CONTEXT:-64}.log" \
+        | grep "^|" ;;
     profdecode)
       python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 16 2>&1 \
         | tee "$OUT/profile_decode.log" | grep -v Warning | tail -30 ;;

@@ -113,10 +113,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _slot_rank(ranks_ptr, slot, R: tl.constexpr, HAS_RANKS: tl.constexpr):
-        """Columns of ``slot``'s blocks that may be nonzero: ``min(ranks[slot], R)``, or ``R``
-        without a rank table (columns at or above an adapter's rank are zero in its slot)."""
+        """Columns of ``slot``'s blocks that may be nonzero (columns at or above an adapter's
+        rank are zero in its slot): ``ranks[slot]`` rounded up to a multiple of 16 and at
+        most ``R`` when ``R`` is a multiple of 16 (a mask ``r < rank`` then stays constant
+        over runs of 16 columns, so loads along the rank keep their vector width: one
+        32-byte sector of bf16), else ``min(ranks[slot], R)``; ``R`` without a rank table."""
         if HAS_RANKS:
-            return tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
+            rank = tl.load(ranks_ptr + slot).to(tl.int32)
+            if R % 16 == 0:
+                rank = tl.minimum((rank + 15) // 16 * 16, R)
+                return tl.multiple_of(rank, 16)
+            else:
+                return tl.minimum(rank, R)
         else:
             return slot * 0 + R
 
