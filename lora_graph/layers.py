@@ -132,16 +132,24 @@ class LoRALinear(_LoRALayer):
         ``expand_silu_mul`` and a two-slice target of equal halves (gate, up), the expand and
         the activation are one kernel: the ``[N, 2I]`` output is read once instead of read,
         written and read again, and no delta goes through memory. Up to
-        :data:`ops.DELTA_MAX_ROWS` rows (decode) that needs ``linear_shrink`` (the shrink
-        beside the base GEMM on a side stream) and :data:`ops.DECODE_FUSED_SILU`; without,
-        decode takes :meth:`forward`'s side-stream delta and the activation after."""
+        :data:`ops.DELTA_MAX_ROWS` rows (decode) in a graph that needs ``linear_shrink``
+        (the shrink beside the base GEMM on a side stream), :data:`ops.DECODE_FUSED_SILU` and
+        at least :data:`ops.DECODE_FUSED_SILU_MIN_ROWS` rows; without, decode takes
+        :meth:`forward`'s side-stream delta and the activation after."""
         k = _kernels_now(self._kernels)
         x2 = x.reshape(-1, x.shape[-1])
         side = x2.shape[0] <= ops.DELTA_MAX_ROWS and _in_graph(x2)  # decode in a graph
         if (
             routing is None
             or k.expand_silu_mul is None
-            or (side and (k.linear_shrink is None or not ops.DECODE_FUSED_SILU))
+            or (
+                side
+                and (
+                    k.linear_shrink is None
+                    or not ops.DECODE_FUSED_SILU
+                    or x2.shape[0] < ops.DECODE_FUSED_SILU_MIN_ROWS
+                )
+            )
             or self.per_segment
             or self.out_slices != [self.out_slices[0]] * 2
         ):

@@ -13,6 +13,7 @@ import torch
 from conftest import make_pipeline, prompts
 
 from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, node_capture_key
+from lora_graph.ops import DECODE_FUSED_SILU_MIN_ROWS
 from lora_graph.step import SeqChunk
 
 pytestmark = pytest.mark.compile
@@ -52,9 +53,12 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
         else:
             ops = {op.removeprefix("lora_graph.lora_") for op in graph.lora_ops}
             # the torch or triton pair; or at decode sizes on CUDA the base linear with the
-            # side-stream delta, and the MLP's gate/up with the side-stream shrink and the fused
-            # expand + activation
-            decode = {"linear_delta", "linear_shrink", "expand_silu_mul"}
+            # side-stream delta, and from DECODE_FUSED_SILU_MIN_ROWS rows on the MLP's gate/up
+            # with the side-stream shrink and the fused expand + activation
+            if key.tokens >= DECODE_FUSED_SILU_MIN_ROWS:
+                decode = {"linear_delta", "linear_shrink", "expand_silu_mul"}
+            else:
+                decode = {"linear_delta"}
             assert ops in ({"shrink", "expand_"}, decode), (key, graph.lora_ops)
 
 
