@@ -43,9 +43,10 @@ from torch import Tensor
 
 from lora_graph.kernels import reference
 
-# Row counts up to which a LoRA linear runs its delta on a side stream beside the base
-# linear (decode), when the kernels have ``linear_delta``; above it, shrink + expand run
-# in place after the base linear.
+# Row counts up to which a LoRA linear traced by torch.compile or captured in a CUDA graph
+# runs its delta on a side stream beside the base linear (decode), when the kernels have
+# ``linear_delta``; above it (and outside graphs), shrink + expand run in place after the
+# base linear.
 DELTA_MAX_ROWS = 64
 # Up to DELTA_MAX_ROWS rows, whether a gated MLP's gate/up projection runs
 # ``lora_linear_shrink`` + ``lora_expand_silu_mul`` (when the kernels have both) instead of
