@@ -24,7 +24,6 @@ pipeline each, captured after the variant's switches are set), e.g.
     side_programs=N    triton_launch.SIDE_MAX_PROGRAMS (cap on a side kernel's programs)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
-    split=groups|rows  triton_config.SPLIT_BY_GROUPS (the decode shrink's K split)
 """
 
 from __future__ import annotations
@@ -207,7 +206,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks", "slot_ranks", "split")
+VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -223,12 +222,11 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 def apply_switches(switches: dict[str, str]) -> None:
     """Set the module switches of a variant (the defaults for those not named)."""
     import lora_graph.ops as ops
-    from lora_graph.kernels import triton_config, triton_launch
+    from lora_graph.kernels import triton_launch
 
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
     triton_launch.SIDE_MAX_PROGRAMS = int(switches.get("side_programs", "0"))
-    triton_config.SPLIT_BY_GROUPS = switches.get("split", "groups") == "groups"
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:

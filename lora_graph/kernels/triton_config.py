@@ -89,16 +89,9 @@ def _finish_shrink(
     )
 
 
-# Whether the decode shrink's K split counts the row tiles the groups may add (True: up to
-# one partial tile a group, so a step of many small groups splits K less and adds fewer
-# partial sums into each h element) or the rows' tiles only (False: session 7's split).
-# Read when a step is captured (benchmarks compare both).
-SPLIT_BY_GROUPS = True
-
-
 @functools.lru_cache(maxsize=1024)
 def shrink_config(
-    n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS, groups: int = 0
+    n: int, k: int, sr: int, elt_bytes: int = 2, num_sms: int = _DEFAULT_SMS
 ) -> ShrinkConfig:
     """Heuristic tiles for shrink of ``N = n`` rows, ``K = k``, ``S*R = sr`` columns, inputs
     of ``elt_bytes`` bytes.
@@ -107,10 +100,7 @@ def shrink_config(
     with 16-row tiles and one ``BLOCK_K`` step per K split (decode: the A block is spread
     over as many programs as possible); larger ``N``: 32/64-row tiles and at least four
     ``BLOCK_K`` steps per split. ``SPLIT_K`` aims at about ``2 * num_sms`` programs when
-    every row block is busy; at ``N <= 64`` with ``groups`` (the routing's ``G``) the row
-    tiles counted are those ``groups`` groups may make (:func:`num_tiles`), so a step of many
-    small groups does not split K into more partial sums than it needs. (Chosen so that no
-    variant spills registers on sm_90.)
+    every row block is busy. (Chosen so that no variant spills registers on sm_90.)
     """
     f32 = elt_bytes >= 4
     if n <= 4:
@@ -128,8 +118,7 @@ def shrink_config(
         block_m, block_n = 64, min(128, max(16, next_pow2(sr)))
         block_k = 32 if f32 or block_n > 64 else 64
         k_min, num_warps, num_stages = 4 * block_k, 8, 3
-    row_tiles = num_tiles(n, groups, block_m) if groups and n <= 64 else cdiv(n, block_m)
-    busy = row_tiles * cdiv(sr, block_n)
+    busy = cdiv(n, block_m) * cdiv(sr, block_n)
     split_k = max(1, min(cdiv(2 * num_sms, busy), cdiv(k, k_min)))
     return _finish_shrink(
         k, block_m, block_n, block_k, split_k, num_warps, num_stages, 4 * num_sms if n <= 64 else 0

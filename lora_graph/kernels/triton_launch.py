@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from lora_graph.kernels import fast_launch
-from lora_graph.kernels import triton_config as C
 from lora_graph.kernels.triton_config import (
     ExpandConfig,
     ShrinkConfig,
@@ -120,9 +119,7 @@ def launch_shrink(
         return
     assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
     _check_devices(x, a, h, lora_ids, grouped_offsets, end, *_opt(ranks))
-    cfg = config or shrink_config(
-        n, k, sr, x.element_size(), device_sms(x.device), g if C.SPLIT_BY_GROUPS else 0
-    )
+    cfg = config or shrink_config(n, k, sr, x.element_size(), device_sms(x.device))
     # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
     # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
     # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
@@ -350,13 +347,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 def _side_configs(
-    n: int, k: int, sr: int, widest: int, max_rank: int, elt_bytes: int, device: torch.device,
-    groups: int,
-) -> tuple[ShrinkConfig, ExpandConfig]:  # fmt: skip
+    n: int, k: int, sr: int, widest: int, max_rank: int, elt_bytes: int, device: torch.device
+) -> tuple[ShrinkConfig, ExpandConfig]:
     """The shrink and expand tiles of a side-stream call, their grids capped at
     :data:`SIDE_MAX_PROGRAMS` when set."""
     sms = device_sms(device)
-    shrink_cfg = shrink_config(n, k, sr, elt_bytes, sms, groups if C.SPLIT_BY_GROUPS else 0)
+    shrink_cfg = shrink_config(n, k, sr, elt_bytes, sms)
     expand_cfg = expand_config(n, widest, max_rank, elt_bytes, sms)
     cap = SIDE_MAX_PROGRAMS
     if cap:
@@ -385,9 +381,8 @@ def linear_delta(
     d = buf[: n * out_features].view(n, out_features)
     h = buf[n * out_features :].view(num_slices, n, max_rank)
     shrink_cfg, expand_cfg = _side_configs(
-        n, x.shape[1], a.shape[1], max(out_slices), max_rank, x.element_size(), x.device,
-        routing[0].numel(),
-    )  # fmt: skip
+        n, x.shape[1], a.shape[1], max(out_slices), max_rank, x.element_size(), x.device
+    )
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
@@ -423,9 +418,8 @@ def linear_shrink(
     max_rank = a.shape[1] // num_slices
     h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
     shrink_cfg, _ = _side_configs(
-        n, x.shape[1], a.shape[1], weight.shape[0], max_rank, x.element_size(), x.device,
-        routing[0].numel(),
-    )  # fmt: skip
+        n, x.shape[1], a.shape[1], weight.shape[0], max_rank, x.element_size(), x.device
+    )
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
