@@ -21,7 +21,6 @@ pipeline each, captured after the variant's switches are set), e.g.
 
     fused_silu=0|1     ops.DECODE_FUSED_SILU (gate/up: side shrink + fused expand/SwiGLU)
     overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
-    side_programs=N    triton_launch.SIDE_MAX_PROGRAMS (cap on a side kernel's programs)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
 """
@@ -206,7 +205,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "overwrite", "side_programs", "ranks", "slot_ranks")
+VARIANT_SWITCHES = ("fused_silu", "overwrite", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -226,7 +225,6 @@ def apply_switches(switches: dict[str, str]) -> None:
 
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
-    triton_launch.SIDE_MAX_PROGRAMS = int(switches.get("side_programs", "0"))
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:

@@ -25,7 +25,7 @@ EXTRA = {
     "decode.py": [
         "--variants",
         "now",
-        "v:ranks=4/8,fused_silu=0,overwrite=0,side_programs=4,slot_ranks=0",
+        "v:ranks=4/8,fused_silu=0,overwrite=0,slot_ranks=0",
     ]
 }
 

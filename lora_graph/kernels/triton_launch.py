@@ -9,7 +9,6 @@ Kernels decorated while ``TRITON_INTERPRET=1`` is set run under Triton's CPU int
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import torch
@@ -324,10 +323,6 @@ def expand_silu_mul(
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-# Programs a side-stream LoRA kernel (decode) may use, so that it fits beside the base GEMM
-# it overlaps instead of taking every SM from it; 0: the kernels' own grid. Read when a step
-# runs or is captured (benchmarks compare values).
-SIDE_MAX_PROGRAMS = 0
 # Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
 # adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
 DELTA_OVERWRITE = True
@@ -344,21 +339,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     if stream is None:
         stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
-
-
-def _side_configs(
-    n: int, k: int, sr: int, widest: int, max_rank: int, elt_bytes: int, device: torch.device
-) -> tuple[ShrinkConfig, ExpandConfig]:
-    """The shrink and expand tiles of a side-stream call, their grids capped at
-    :data:`SIDE_MAX_PROGRAMS` when set."""
-    sms = device_sms(device)
-    shrink_cfg = shrink_config(n, k, sr, elt_bytes, sms)
-    expand_cfg = expand_config(n, widest, max_rank, elt_bytes, sms)
-    cap = SIDE_MAX_PROGRAMS
-    if cap:
-        shrink_cfg = dataclasses.replace(shrink_cfg, max_programs=cap)
-        expand_cfg = dataclasses.replace(expand_cfg, max_programs=cap)
-    return shrink_cfg, expand_cfg
 
 
 def linear_delta(
@@ -380,9 +360,7 @@ def linear_delta(
     )
     d = buf[: n * out_features].view(n, out_features)
     h = buf[n * out_features :].view(num_slices, n, max_rank)
-    shrink_cfg, expand_cfg = _side_configs(
-        n, x.shape[1], a.shape[1], max(out_slices), max_rank, x.element_size(), x.device
-    )
+    shrink_cfg = shrink_config(n, x.shape[1], a.shape[1], x.element_size(), device_sms(x.device))
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
@@ -396,9 +374,7 @@ def linear_delta(
         elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the shrink
             h.zero_()  # skips are rows the expand does not read
         launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
-        launch_expand(
-            d, h, b, tuple(out_slices), *routing, expand_cfg, overwrite=overwrite, ranks=ranks
-        )
+        launch_expand(d, h, b, tuple(out_slices), *routing, overwrite=overwrite, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
@@ -417,9 +393,6 @@ def linear_shrink(
     n = x.shape[0]
     max_rank = a.shape[1] // num_slices
     h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
-    shrink_cfg, _ = _side_configs(
-        n, x.shape[1], a.shape[1], weight.shape[0], max_rank, x.element_size(), x.device
-    )
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if side is not None:
@@ -428,7 +401,7 @@ def linear_shrink(
         ctx = torch.cuda.stream(side)
     with ctx:
         h.zero_()  # h is exactly the shrink's: 0 on rows without a delta
-        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
+        launch_shrink(x, a, h, *routing, max_rank, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
