@@ -209,12 +209,31 @@ VARIANT_SWITCHES = ("fused_silu", "overwrite", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
-    """``name`` or ``name:key=value,...`` (module docstring)."""
+    """``name`` or ``name:key=value,...`` (module docstring).
+
+    Raises:
+        SystemExit: naming the variant and the cause, for an empty name, a switch that is
+            not ``key=value``, unknown or given twice, or a value out of its range.
+    """
     name, _, rest = spec.partition(":")
-    switches = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-    unknown = set(switches) - set(VARIANT_SWITCHES)
-    if unknown:
-        raise SystemExit(f"variant {name!r}: unknown switches {sorted(unknown)}")
+    if not name:
+        raise SystemExit(f"variant {spec!r}: give it a name (name:key=value,...)")
+    switches: dict[str, str] = {}
+    for kv in filter(None, rest.split(",")):
+        key, eq, value = kv.partition("=")
+        if not eq or key not in VARIANT_SWITCHES or key in switches:
+            why = "not key=value" if not eq else "given twice" if key in switches else "unknown"
+            known = ", ".join(VARIANT_SWITCHES)
+            raise SystemExit(f"variant {name!r}: switch {kv!r} is {why} (switches: {known})")
+        if key == "ranks":
+            ranks = value.split("/")
+            if not all(r.isdigit() and int(r) > 0 for r in ranks):
+                raise SystemExit(
+                    f"variant {name!r}: ranks must be positive integers, got {value!r}"
+                )
+        elif value not in ("0", "1"):
+            raise SystemExit(f"variant {name!r}: {key} must be 0 or 1, got {value!r}")
+        switches[key] = value
     return name, switches
 
 
@@ -287,6 +306,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variants]  # refused before anything is built
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -390,7 +410,6 @@ def main() -> None:
 
         lora_graph.ops.DELTA_MAX_ROWS = 0
     targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    variants = [parse_variant(v) for v in args.variants]
     written: dict[str, int] = {}
     rows: dict = {}
     for variant, switches in variants:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project checks and times on a GPU, in stages that each fit one device call:
 #   bash bench/gpu_run.sh tests     GPU tests (CUDA graphs, Triton kernels, parity per backend)
+#   bash bench/gpu_run.sh quick     the captured packed step and parity on CUDA (test_compile, test_parity,
+#                                   test_generation: the CUDA cases)
+#   bash bench/gpu_run.sh parity    tests/test_parity.py's GPU tests
 #   bash bench/gpu_run.sh kernels   bench/kernels.py
 #   bash bench/gpu_run.sh decode    bench/decode.py at mean context 1k (Triton backend, CUDA graphs;
 #                                   max_seq_len 8192 compared) + bench/attention.py

@@ -4,6 +4,7 @@ renamed method breaks CI rather than the next GPU run. Speed is not checked here
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,35 @@ def test_serve_smoke_with_arrivals(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| lora |" in proc.stdout and "| lora (sync) |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("x:bogus=1", "switch 'bogus=1' is unknown"),
+        ("x:ranks=abc", "ranks must be positive integers, got 'abc'"),
+        ("x:ranks=0", "ranks must be positive integers, got '0'"),
+        (":", "give it a name"),
+        ("x:ranks", "switch 'ranks' is not key=value"),
+        ("x:fused_silu=yes", "fused_silu must be 0 or 1, got 'yes'"),
+        ("x:ranks=4,ranks=8", "switch 'ranks=8' is given twice"),
+    ],
+)
+def test_decode_variant_specs_refused_with_their_cause(spec, message):
+    """bench/decode.py's --variants: a bad spec is refused by name, before anything is
+    built (a new user's trial found raw tracebacks, late, and silent acceptance)."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("bench_decode", BENCH / "decode.py")
+    decode = importlib.util.module_from_spec(module_spec)
+    path = list(sys.path)
+    try:
+        module_spec.loader.exec_module(decode)  # (it puts the repository first on sys.path)
+    finally:
+        sys.path[:] = path
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        decode.parse_variant(spec)
+    assert decode.parse_variant("v:ranks=8/16,slot_ranks=0") == (
+        "v",
+        {"ranks": "8/16", "slot_ranks": "0"},
+    )
