@@ -280,12 +280,19 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         ValueError: for ``"triton"`` without Triton, or off CUDA without the interpreter;
             for an unknown backend.
     """
-    torch_impl = Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
     if backend == "torch":
-        return torch_impl
+        return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
     ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
+    if backend == "auto" and device.type != "cuda":
+        return ops  # (Triton is not even imported: 0.2 s of start-up)
     impl = _triton()
-    triton_impl = impl and Kernels(
+    if impl is None:
+        if backend == "triton":
+            raise ValueError("backend='triton' but Triton is not installed")
+        return ops
+    triton_impl = Kernels(
         impl.shrink,
         reference.embedding_shrink,
         impl.expand_,
@@ -293,25 +300,16 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         impl.expand_silu_mul,
         impl.linear_shrink,
     )
-    cuda = Kernels(
-        lora_shrink,
-        lora_embedding_shrink,
-        lora_expand_,
-        lora_linear_delta,
-        lora_expand_silu_mul,
-        lora_linear_shrink,
-        direct=triton_impl,
-    )
-    if backend == "auto":
-        return cuda if device.type == "cuda" and impl is not None else ops
-    if backend == "triton":
-        if impl is None:
-            raise ValueError("backend='triton' but Triton is not installed")
-        if device.type == "cuda":
-            return cuda
-        if not impl.interpreted():
-            raise ValueError(
-                "backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
-            )
-        return triton_impl
-    raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
+    if device.type == "cuda":
+        return Kernels(
+            lora_shrink,
+            lora_embedding_shrink,
+            lora_expand_,
+            lora_linear_delta,
+            lora_expand_silu_mul,
+            lora_linear_shrink,
+            direct=triton_impl,
+        )
+    if not impl.interpreted():
+        raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    return triton_impl

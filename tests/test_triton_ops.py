@@ -727,6 +727,22 @@ def test_imports_without_triton():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_cpu_start_up_does_not_import_triton():
+    """The default backend on the CPU never needs Triton, so making its kernels does not
+    import it (0.2 s of start-up); the ops run the reference."""
+    code = (
+        "import sys, torch\nfrom lora_graph import ops\n"
+        "k = ops.kernels('auto', torch.device('cpu'))\n"
+        "assert k.shrink is ops.lora_shrink and k.direct is None\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\nprint('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 _SM90_COMPILE = r"""
 import os, re, subprocess, sys, tempfile
 import torch, triton

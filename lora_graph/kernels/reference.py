@@ -4,9 +4,9 @@ implementation, and the twin every fast kernel is tested against.
 ``*routing`` is the triple ``(lora_ids, grouped_offsets, end)``. ``ranks`` (each slot's
 rank, ``[num_slots]``) is accepted and not needed: a slot's A rows and B columns at or
 above its rank are zeros, which the reference reads like any other value (the kernels use
-it to skip them). Slot stacks are each LoRA
-layer's views of the slot pool: ``a`` ``[num_slots, S * R, K]``
-(the A of slice ``s`` in rows ``s*R:(s+1)*R``), ``b`` ``[num_slots, out_features, R]``;
+it to skip them). Slot stacks are each LoRA layer's views of the slot pool: ``a``
+``[num_slots, S * R, K]`` (the A of slice ``s`` in rows ``s*R:(s+1)*R``), ``b``
+``[num_slots, out_features, R]``;
 an embedding's ``a`` is ``[num_slots, vocab, R]`` (PEFT's ``lora_embedding_A``
 transposed). Slot 0 is the zero adapter. Routing: :mod:`lora_graph.routing`.
 """
