@@ -21,6 +21,9 @@ pipeline each, captured after the variant's switches are set), e.g.
 
     fused_silu=0|1     ops.DECODE_FUSED_SILU (gate/up: side shrink + fused expand/SwiGLU)
     overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
+    fused_delta=0|1    triton_launch.DELTA_FUSED (the delta's shrink + expand in one launch)
+    k_steps=N          triton_launch.DELTA_K_STEPS (BLOCK_K steps a K split of that shrink
+                       takes; 0: the shrink's own split)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
 """
@@ -205,7 +208,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "overwrite", "ranks", "slot_ranks")
+VARIANT_SWITCHES = ("fused_silu", "overwrite", "fused_delta", "k_steps", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -231,6 +234,11 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
                 raise SystemExit(
                     f"variant {name!r}: ranks must be positive integers, got {value!r}"
                 )
+        elif key == "k_steps":
+            if not value.isdigit():
+                raise SystemExit(
+                    f"variant {name!r}: k_steps must be an integer >= 0, got {value!r}"
+                )
         elif value not in ("0", "1"):
             raise SystemExit(f"variant {name!r}: {key} must be 0 or 1, got {value!r}")
         switches[key] = value
@@ -244,6 +252,8 @@ def apply_switches(switches: dict[str, str]) -> None:
 
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
+    triton_launch.DELTA_FUSED = switches.get("fused_delta", "1") == "1"
+    triton_launch.DELTA_K_STEPS = int(switches.get("k_steps", "0"))
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:

@@ -99,7 +99,8 @@ class LoRALinear(_LoRALayer):
     (decode), traced by ``torch.compile`` or captured in a CUDA graph, the base linear and
     the delta run in one op, the delta on a side stream, and are added after it (``y + d``
     in float32, rounded once). Otherwise shrink and expand run after the base linear, the
-    expand adding into ``y`` in float32 and rounding once: the same result.
+    expand adding into ``y`` in float32 and rounding once: the same result (eagerly up to
+    :data:`ops.DELTA_MAX_ROWS` rows, with kernels that have ``delta_``, in one launch).
     """
 
     def __init__(self, base: nn.Linear, *, target: LoraTarget, **kwargs) -> None:
@@ -123,6 +124,10 @@ class LoRALinear(_LoRALayer):
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = self.base(x)
+        if k.delta_ is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:  # eager decode
+            k.delta_(y.view(-1, y.shape[-1]), x2, self.a, self.b, self.out_slices, *route,
+                     ranks=self.ranks)  # fmt: skip
+            return y
         h = k.shrink(x2, self.a, self.num_slices, *route, ranks=self.ranks)
         k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route, ranks=self.ranks)
         return y

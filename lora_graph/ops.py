@@ -258,6 +258,9 @@ class Kernels:
     linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
     expand_silu_mul: Callable[..., Tensor] | None = None
     linear_shrink: Callable[..., tuple[Tensor, Tensor]] | None = None
+    # shrink + expand_ in one launch, ``delta_(y, x, a, b, out_slices, *routing, ranks=)``,
+    # for eager calls of at most DELTA_MAX_ROWS rows (no op: never traced)
+    delta_: Callable[..., None] | None = None
     # the same implementations without the op dispatch, for eager calls (None: these are)
     direct: Kernels | None = None
 
@@ -299,6 +302,7 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         impl.linear_delta,
         impl.expand_silu_mul,
         impl.linear_shrink,
+        impl.delta_ if impl.DELTA_FUSED else None,
     )
     if device.type == "cuda":
         return Kernels(

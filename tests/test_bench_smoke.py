@@ -26,7 +26,7 @@ EXTRA = {
     "decode.py": [
         "--variants",
         "now",
-        "v:ranks=4/8,fused_silu=0,overwrite=0,slot_ranks=0",
+        "v:ranks=4/8,fused_silu=0,overwrite=0,fused_delta=0,k_steps=2,slot_ranks=0",
     ]
 }
 
@@ -86,6 +86,7 @@ def test_serve_smoke_with_arrivals(tmp_path):
         ("x:ranks", "switch 'ranks' is not key=value"),
         ("x:fused_silu=yes", "fused_silu must be 0 or 1, got 'yes'"),
         ("x:ranks=4,ranks=8", "switch 'ranks=8' is given twice"),
+        ("x:k_steps=-1", "k_steps must be an integer >= 0, got '-1'"),
     ],
 )
 def test_decode_variant_specs_refused_with_their_cause(spec, message):

@@ -483,6 +483,74 @@ def test_decode_ops_write_every_row(pools, dtype, groups, n):
         torch.testing.assert_close(out.double(), d64, rtol=tol, atol=tol)
 
 
+def workspace_is_zero() -> bool:
+    """Whether every stream's workspace of ``launch_delta`` is all zero (its invariant)."""
+    return all(not c.any() and not h.any() for c, h in T._WORKSPACES.values())
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "groups, n",
+    [(mixed_groups(30), 37), ([(1, 5), (NUM_SLOTS + 3, 2), (4, 3)], 10), ([], 6), ([(2, 1)], 1),
+     ([(1, 2), (3, 1)], 3)],
+)  # fmt: skip
+def test_one_launch_delta_against_float64(pools, dtype, groups, n):
+    """``launch_delta`` (shrink + expand in one launch, the expand items waiting for their
+    tile's shrink items) against the float64 reference: in place (``delta_``: rows without
+    a delta bit-for-bit unchanged) and overwriting a NaN-filled buffer (rows without a delta
+    exactly 0); its workspace is all zero again after every launch, whatever the target's
+    slices and rank."""
+    pool = pools[dtype]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator().manual_seed(n)
+    routing = make_routing(groups, pad_to=8)
+    for name, t in pool.targets.items():
+        a, b = pool.stacks(name)
+        x = torch.randn(n, t.in_features, generator=g).to(dtype)
+        y0 = torch.randn(n, t.out_features, generator=g).to(dtype)
+        _, y64, slot_of = reference64(pool, name, x, y0, routing)
+        _, d64, _ = reference64(pool, name, x, torch.zeros(n, t.out_features), routing)
+        no_delta = (slot_of <= 0) | (slot_of >= NUM_SLOTS)
+        y = y0.clone()
+        T.delta_(y, x, a, b, list(t.out_slices), *routing)
+        assert torch.equal(y[no_delta], y0[no_delta])
+        torch.testing.assert_close(y.double(), y64, rtol=tol, atol=tol)
+        assert workspace_is_zero()
+        d = torch.full((n, t.out_features), float("nan"))
+        T.launch_delta(d, x, a, b, t.out_slices, *routing, MAX_RANK, overwrite=True)
+        assert not d[no_delta].any()
+        torch.testing.assert_close(d.double(), d64, rtol=tol, atol=tol)
+        assert workspace_is_zero()
+
+
+@interp
+@pytest.mark.parametrize("k_steps", [1, 2, 100])
+def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
+    """``launch_delta`` with its shrink's K cut in splits of 1 and 2 ``BLOCK_K`` steps
+    (atomic partial sums) and in one split (plain stores), and ``linear_delta`` through it
+    as in a graph; more than 64 rows is refused."""
+    monkeypatch.setattr(T, "DELTA_K_STEPS", k_steps)
+    pool = pools[torch.float32]
+    routing = make_routing(mixed_groups(30), pad_to=8)
+    n = 37
+    g = torch.Generator().manual_seed(k_steps)
+    for name in ("qkv", "down"):
+        t = pool.targets[name]
+        a, b = pool.stacks(name)
+        x = torch.randn(n, t.in_features, generator=g)
+        w = torch.randn(t.out_features, t.in_features, generator=g)
+        _, d64, _ = reference64(pool, name, x, torch.zeros(n, t.out_features), routing)
+        y, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing)
+        assert torch.equal(y, torch.nn.functional.linear(x, w))
+        d = buf[: n * t.out_features].view(n, -1)
+        torch.testing.assert_close(d.double(), d64, rtol=1e-5, atol=1e-5)
+        assert workspace_is_zero()
+    x = torch.zeros(65, t.in_features)
+    with pytest.raises(ValueError, match="at most 64 rows, got 65"):
+        T.delta_(torch.zeros(65, t.out_features), x, a, b, list(t.out_slices), *routing)
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_rank", [MAX_RANK, 32])
@@ -530,6 +598,10 @@ def test_columns_past_a_slots_rank_are_not_read(dtype, max_rank):
         )
         _, h2 = T.linear_shrink(x, w, None, a, t.num_slices, *routing, ranks=ranks)
         torch.testing.assert_close(h2.double(), h64, rtol=tol, atol=tol)
+        y1 = y0.clone()
+        T.delta_(y1, x, a, b, list(t.out_slices), *routing, ranks=ranks)
+        torch.testing.assert_close(y1.double(), y64, rtol=tol, atol=tol)
+        assert workspace_is_zero()
     x = torch.randn(n, 64, generator=g).to(dtype)
     y = torch.randn(n, 80, generator=g).to(dtype)
     a, b = dirty.stacks("gate_up")
@@ -960,6 +1032,62 @@ def test_gpu_cuda_graph_replay(gpu_pools):
     graph.replay()
     torch.cuda.synchronize()
     verify()
+
+
+@pytest.mark.parametrize("n", [1, 8, 64])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_one_launch_delta_in_a_graph(gpu_pools, n):
+    """``linear_delta`` (its delta one ``launch_delta`` on the side stream) captured in a
+    CUDA graph and replayed after the routing changes in place (one group, then one group a
+    row over every rank 1..64, then a few with base rows), against float64; the eager
+    ``delta_`` likewise; the workspace all zero after each."""
+    pool = gpu_pools(4096)
+    ids, offs, end = make_routing([(4, n)], device=GPU, pad_to=max(GPU_SLOTS, n + 1))
+    layouts = [
+        [(4, n)],
+        popularity_groups("distinct", n, 1),
+        popularity_groups("zipf", n - n // 4, 2),
+    ]
+    for name, t in pool.targets.items():
+        a, b = pool.stacks(name)
+        x = torch.randn(n, t.in_features, device=GPU).to(torch.bfloat16)
+        w = torch.randn(t.out_features, t.in_features, device=GPU).to(torch.bfloat16) * 0.02
+        out: list[torch.Tensor] = []
+
+        def step(x=x, w=w, a=a, b=b, t=t, out=out):
+            out[:] = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), ids,
+                                    offs, end)  # fmt: skip
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for groups in layouts:
+            routing = make_routing(groups, device=GPU, pad_to=max(GPU_SLOTS, n + 1))
+            for src, dst in zip(routing, (ids, offs, end), strict=True):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            _, d64, slot_of = reference64(pool, name, x, torch.zeros(n, t.out_features), routing)
+            d = out[1][: n * t.out_features].view(n, -1)
+            live = slot_of > 0
+            assert not d[~live].any()
+            if live.any():
+                assert rel_err(d[live], d64[live]) < 1e-2, (name, groups)
+            assert workspace_is_zero()
+            y0 = torch.randn(n, t.out_features, device=GPU).to(torch.bfloat16)
+            y = y0.clone()
+            T.delta_(y, x, a, b, list(t.out_slices), *routing)
+            _, y64, _ = reference64(pool, name, x, y0, routing)
+            assert torch.equal(y[~live], y0[~live])
+            if live.any():
+                assert rel_err(y[live].double() - y0[live].double(), y64[live] - y0[live]) < 1e-2
+            assert workspace_is_zero()
 
 
 @pytest.mark.gpu

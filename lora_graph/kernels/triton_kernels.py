@@ -308,6 +308,101 @@ if HAVE_TRITON:
                                  stride_bs, stride_bn, stride_br,
                                  R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
                                  BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION, OVERWRITE)
+    @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_shrink", "n_expand"])
+    def _delta_kernel(
+        x_ptr, a_ptr, h_ptr, y_ptr, b_ptr, count_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
+        ranks_ptr,
+        N, K, G, num_slots, k_per_split, n_shrink, n_expand,
+        stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
+        stride_hs, stride_hm, stride_hr,
+        stride_ym, stride_yn, stride_bs, stride_bn, stride_br,
+        R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr, NUM_SLICES: tl.constexpr,
+        N_COL_BLOCKS: tl.constexpr, SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr,
+        SLICE_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, SHRINK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
+        USE_DOT: tl.constexpr, CAST_F32: tl.constexpr, S_PRECISION: tl.constexpr,
+        E_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, HAS_RANKS: tl.constexpr,
+        MAX_TILES: tl.constexpr,
+    ):
+        """Semantics: :func:`_shrink_kernel` then :func:`_expand_kernel` in one launch (decode):
+        ``y[t, c] (+)= sum_r h[s(c), t, r] * B[slot(t), c, r]`` with ``h = x @ A[slot(t)].T``.
+
+        Programs ``[0, n_shrink)`` are shrink items ``(row tile, column block, K split)``:
+        each adds its fp32 partial into ``h`` (atomics when ``SPLIT_K > 1``), then counts
+        itself done in ``count[tile]`` (release). Programs ``[n_shrink, n_shrink + n_expand)``
+        are expand items ``(row tile, run of BLOCKS_PER_ITEM column blocks)``: one whose rows
+        get a delta waits until every shrink item of its tile is counted (acquire), then
+        expands; the last expand item of a tile (``count[MAX_TILES + tile]``) sets the
+        tile's rows of ``h`` and both counters back to 0. So ``h`` and ``count`` must be zero
+        on entry and are zero on exit: a persistent workspace, never memset.
+
+        No deadlock: a 1-D grid's programs start in order, so every shrink program has
+        started (and runs to its end without waiting) before any expand program waits; the
+        interpreter runs programs in order too.
+
+        x ``[N, K]``; A ``[num_slots, S*R, K]``; h ``[S, N, R]`` fp32 (zero); y ``[N, out]``
+        (``OVERWRITE``: every row stored, 0 for rows without a delta; else rows with one
+        updated in place); B ``[num_slots, out, R]``; count ``[2 * MAX_TILES]`` int32
+        (zero).
+        """
+        gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
+            lora_ids_ptr, offsets_ptr, end_ptr, N, G, num_slots, G_POW2, BLOCK_M, OVERWRITE)
+        per_tile: tl.constexpr = ((SR + SHRINK_N - 1) // SHRINK_N) * SPLIT_K
+        runs: tl.constexpr = (N_COL_BLOCKS + BLOCKS_PER_ITEM - 1) // BLOCKS_PER_ITEM
+        pid = tl.program_id(0)
+        if pid < n_shrink:
+            tile = pid // per_tile
+            pid_n = (pid % per_tile) // SPLIT_K
+            pid_k = pid % SPLIT_K
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if (row0 < hi) & (slot > 0):
+                rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
+                cols = pid_n * SHRINK_N + tl.arange(0, SHRINK_N)
+                live = tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
+                if live:
+                    _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
+                                 k_per_split,
+                                 stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
+                                 stride_hs, stride_hm, stride_hr,
+                                 R, SR, BLOCK_M, SHRINK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32,
+                                 S_PRECISION)
+                tl.debug_barrier()  # every thread's partial is out before the count
+                tl.atomic_add(count_ptr + tile, 1, sem="release")
+        elif pid < n_shrink + n_expand:
+            item = pid - n_shrink
+            tile = item // runs
+            first = (item % runs) * BLOCKS_PER_ITEM
+            slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
+            if row0 < hi:
+                rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
+                if slot > 0:
+                    done = tl.atomic_add(count_ptr + tile, 0, sem="acquire")
+                    while done < per_tile:
+                        done = tl.atomic_add(count_ptr + tile, 0, sem="acquire")
+                    tl.debug_barrier()
+                stop = tl.minimum(first + BLOCKS_PER_ITEM, N_COL_BLOCKS)
+                for pid_n in tl.range(first, stop, num_stages=NUM_STAGES):
+                    _expand_tile(y_ptr, h_ptr, b_ptr, slot, rank, row0, hi, pid_n,
+                                 stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
+                                 stride_bs, stride_bn, stride_br,
+                                 R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
+                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, E_PRECISION, OVERWRITE)
+                if slot > 0:
+                    tl.debug_barrier()  # every thread has read h
+                    last = tl.atomic_add(count_ptr + MAX_TILES + tile, 1, sem="acq_rel")
+                    if last == runs - 1:  # the tile's last expand item: leave zeros behind
+                        offs_m = row0 + tl.arange(0, BLOCK_M)
+                        offs_r = tl.arange(0, BLOCK_R)
+                        zero_mask = (offs_m < hi)[:, None] & (offs_r < R)[None, :]
+                        zeros = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                        z_ptrs = (h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm
+                                  + offs_r[None, :] * stride_hr)
+                        for s in tl.static_range(NUM_SLICES):
+                            tl.store(z_ptrs + s * stride_hs, zeros, mask=zero_mask)
+                        tl.atomic_xchg(count_ptr + tile, 0)
+                        tl.atomic_xchg(count_ptr + MAX_TILES + tile, 0)
+
     # HALF is specialised on (its divisibility by 16 lets the up half's loads vectorise)
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_tiles"])
     def _expand_silu_mul_kernel(

@@ -18,6 +18,7 @@ from lora_graph.kernels import fast_launch
 from lora_graph.kernels.triton_config import (
     ExpandConfig,
     ShrinkConfig,
+    _finish_shrink,
     cdiv,
     device_sms,
     expand_config,
@@ -30,6 +31,7 @@ from lora_graph.kernels.triton_kernels import HAVE_TRITON, triton
 
 if HAVE_TRITON:
     from lora_graph.kernels.triton_kernels import (
+        _delta_kernel,
         _expand_kernel,
         _expand_silu_mul_kernel,
         _shrink_kernel,
@@ -216,6 +218,126 @@ def launch_expand(
         # fmt: on
 
 
+# The one-launch decode delta (launch_delta): rows it serves, and its row tiles' counters
+DELTA_MAX_TILES = 256
+# (device index, raw stream) -> (counters, h): each stream's zero workspace of launch_delta
+_WORKSPACES: dict[tuple, tuple[Tensor, Tensor]] = {}
+# every workspace ever handed out: a captured graph keeps its address, so none is freed
+_KEPT: list[tuple[Tensor, Tensor]] = []
+
+
+def _workspace(device: torch.device, h_numel: int) -> tuple[Tensor, Tensor]:
+    """The current stream's zero workspace of :func:`launch_delta`: ``(count
+    [2 * DELTA_MAX_TILES] int32, h [>= h_numel] float32)``, all zero between launches (each
+    launch leaves them so). One per stream, so launches on two streams never share one.
+    Made (zeroed) on first use; when made during CUDA graph capture, the graph zeroes it
+    again at each replay, which it is anyway."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key: tuple = (index, torch._C._cuda_getCurrentRawStream(index))
+    else:
+        key = (str(device), 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[1].numel() < h_numel:
+        count = torch.zeros(2 * DELTA_MAX_TILES, dtype=torch.int32, device=device)
+        ws = (count, torch.zeros(max(h_numel, 3 * 64 * 64), dtype=torch.float32, device=device))
+        _WORKSPACES[key] = ws
+        _KEPT.append(ws)
+    return ws
+
+
+# BLOCK_K steps a K split of launch_delta's shrink takes (0: shrink_config's split)
+DELTA_K_STEPS = 0
+
+
+def launch_delta(
+    y: Tensor,
+    x: Tensor,
+    a: Tensor,
+    b: Tensor,
+    out_slices: tuple[int, ...],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    max_rank: int,
+    *,
+    overwrite: bool = False,
+    ranks: Tensor | None = None,
+) -> None:
+    """:func:`launch_shrink` then :func:`launch_expand` in one launch, for decode (at most
+    :data:`lora_graph.ops.DELTA_MAX_ROWS` rows): the expand items wait in the kernel for
+    their row tile's shrink items (``_delta_kernel``), and ``h`` lives in the stream's
+    zero workspace, so no memset and one launch instead of three.
+
+    Args:
+        y: ``[N, sum(out_slices)]``: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T``
+            for rows ``t < end`` (others left unchanged); with ``overwrite``, every row is
+            stored (``= delta``, 0 without one) and ``y`` need not be zeroed.
+        x: ``[N, K]`` activations; ``a``, ``b``, ``ranks``: as :func:`launch_shrink` and
+            :func:`launch_expand`.
+        lora_ids, grouped_offsets, end: the routing triple.
+
+    Raises:
+        ValueError: for more than 64 rows.
+    """
+    _require_triton()
+    n, k = x.shape
+    num_slots, sr, k_a = a.shape
+    out_features = b.shape[1]
+    g = lora_ids.numel()
+    if n == 0 or (g == 0 and not overwrite):
+        return
+    if n > 64:
+        raise ValueError(f"launch_delta serves decode steps of at most 64 rows, got {n}")
+    num_slices = len(out_slices)
+    assert k_a == k and sr == num_slices * max_rank and y.shape == (n, out_features)
+    _check_devices(y, x, a, b, lora_ids, grouped_offsets, end, *_opt(ranks))
+    sms = device_sms(x.device)
+    scfg = shrink_config(n, k, sr, x.element_size(), sms)
+    if DELTA_K_STEPS:
+        scfg = _finish_shrink(
+            k, scfg.block_m, scfg.block_n, scfg.block_k, cdiv(k, DELTA_K_STEPS * scfg.block_k),
+            scfg.num_warps, scfg.num_stages,
+        )  # fmt: skip
+    ecfg = expand_config(n, max(out_slices), max_rank, y.element_size(), sms)
+    assert scfg.block_m == ecfg.block_m
+    count, ws = _workspace(x.device, num_slices * n * max_rank)
+    h = ws[: num_slices * n * max_rank].view(num_slices, n, max_rank)
+    blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), ecfg.block_n)
+    groups = g + 1 if overwrite else g
+    tiles = num_tiles(n, groups, ecfg.block_m)
+    assert tiles <= DELTA_MAX_TILES
+    per_item = _run_length(tiles, n_blocks, x.device)
+    n_shrink = tiles * cdiv(sr, scfg.block_n) * scfg.split_k
+    n_expand = tiles * cdiv(n_blocks, per_item)
+    f32 = (
+        x.dtype != a.dtype
+        or x.dtype == torch.float32
+        or (x.dtype == torch.bfloat16 and interpreted())
+    )
+    with _device_guard(x):
+        # fmt: off
+        fast_launch.launch(_delta_kernel, (n_shrink + n_expand,), (
+            x, a, h, y, b, count, lora_ids, grouped_offsets, end,
+            lora_ids if ranks is None else ranks,
+            n, k, g, num_slots, scfg.k_per_split, n_shrink, n_expand,
+            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+            h.stride(0), h.stride(1), h.stride(2),
+            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        ), dict(
+            R=max_rank, SR=sr, G_POW2=max(16, next_pow2(groups)), NUM_SLICES=num_slices,
+            N_COL_BLOCKS=n_blocks, SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+            BLOCK_M=ecfg.block_m, SHRINK_N=scfg.block_n, BLOCK_K=scfg.block_k,
+            SPLIT_K=scfg.split_k, BLOCK_N=ecfg.block_n, BLOCK_R=ecfg.block_r,
+            BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1,
+            USE_DOT=ecfg.use_dot, CAST_F32=f32, S_PRECISION="tf32x3" if f32 else "tf32",
+            E_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+            OVERWRITE=overwrite, HAS_RANKS=ranks is not None, MAX_TILES=DELTA_MAX_TILES,
+        ), num_warps=max(scfg.num_warps, ecfg.num_warps), num_stages=scfg.num_stages,
+            device=x.device)
+        # fmt: on
+
+
 def launch_expand_silu_mul(
     y: Tensor,
     h: Tensor,
@@ -321,11 +443,25 @@ def expand_silu_mul(
     return out
 
 
+def delta_(
+    y: Tensor, x: Tensor, a: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor,
+    ranks: Tensor | None = None,
+) -> None:  # fmt: skip
+    """``expand_(y, shrink(x, a, len(out_slices), *routing), b, out_slices, *routing)`` in
+    one launch (:func:`launch_delta`; at most 64 rows): an eager decode call's LoRA."""
+    _require_triton()
+    launch_delta(y, x, a, b, tuple(out_slices), *routing, a.shape[1] // len(out_slices),
+                 ranks=ranks)  # fmt: skip
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 # Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
 # adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
 DELTA_OVERWRITE = True
+# Whether the side-stream delta (and an eager decode call) is one launch_delta (True) or a
+# shrink and an expand (False: benchmarks compare).
+DELTA_FUSED = True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -369,12 +505,16 @@ def linear_delta(
         ctx = torch.cuda.stream(side)
     overwrite = DELTA_OVERWRITE
     with ctx:
-        if not overwrite:
+        if DELTA_FUSED and overwrite and n <= 64:
+            launch_delta(d, x, a, b, tuple(out_slices), *routing, max_rank, overwrite=True,
+                         ranks=ranks)  # fmt: skip
+        elif not overwrite:
             buf.zero_()
         elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the shrink
             h.zero_()  # skips are rows the expand does not read
-        launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
-        launch_expand(d, h, b, tuple(out_slices), *routing, overwrite=overwrite, ranks=ranks)
+        if not (DELTA_FUSED and overwrite and n <= 64):
+            launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
+            launch_expand(d, h, b, tuple(out_slices), *routing, overwrite=overwrite, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
