@@ -31,6 +31,7 @@ pipeline each, captured after the variant's switches are set), e.g.
 from __future__ import annotations
 
 import argparse
+import gc
 import functools
 import json
 import os
@@ -422,7 +423,12 @@ def main() -> None:
     targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     written: dict[str, int] = {}
     rows: dict = {}
+    lora = None
     for variant, switches in variants:
+        # free the previous variant's graphs now: a CUDA graph destroyed by the garbage
+        # collector while the next one is being captured invalidates that capture
+        lora = None
+        gc.collect()
         apply_switches(switches)
         torch._dynamo.reset()  # each pipeline compiles the same layer code afresh
         ranks = [int(r) for r in switches.get("ranks", "16").split("/")]

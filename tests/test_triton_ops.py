@@ -1073,7 +1073,8 @@ def test_gpu_one_launch_delta_in_a_graph(gpu_pools, n):
                 dst.copy_(src)
             graph.replay()
             torch.cuda.synchronize()
-            _, d64, slot_of = reference64(pool, name, x, torch.zeros(n, t.out_features), routing)
+            zeros = torch.zeros(n, t.out_features, device=GPU)
+            _, d64, slot_of = reference64(pool, name, x, zeros, routing)
             d = out[1][: n * t.out_features].view(n, -1)
             live = slot_of > 0
             assert not d[~live].any()

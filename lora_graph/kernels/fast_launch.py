@@ -56,6 +56,20 @@ def enabled() -> bool:
     return _unset(runtime.launch_enter_hook) and _unset(runtime.launch_exit_hook)
 
 
+def signature(kernel: Any) -> tuple[frozenset[int], tuple[str, ...]] | None:
+    """``(positions of the do_not_specialize arguments, names of the constexprs in order)``
+    of a ``triton.jit`` kernel whose constexprs all come last; None for any other (or
+    without Triton): launch those through ``kernel[grid]``."""
+    if triton is None or not isinstance(kernel, triton.runtime.JITFunction):
+        return None
+    return _signature(kernel)
+
+
+def launchable(compiled: Any) -> bool:
+    """Whether a ``CompiledKernel`` can be launched again through its own launcher."""
+    return all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+
+
 def _signature(kernel: Any) -> tuple[frozenset[int], tuple[str, ...]] | None:
     sig = _SIGNATURES.get(id(kernel))
     if sig is None:
@@ -119,7 +133,7 @@ def launch(
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        if launchable(compiled):
             _COMPILED[key] = compiled
         return
     g1 = grid[1] if len(grid) > 1 else 1

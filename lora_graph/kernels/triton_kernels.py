@@ -376,10 +376,11 @@ if HAVE_TRITON:
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if row0 < hi:
                 rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
-                if slot > 0:
-                    done = tl.atomic_add(count_ptr + tile, 0, sem="acquire")
+                if slot > 0:  # spin on plain (volatile) loads: atomics would queue at L2
+                    done = tl.load(count_ptr + tile, volatile=True)  # behind the counts
                     while done < per_tile:
-                        done = tl.atomic_add(count_ptr + tile, 0, sem="acquire")
+                        done = tl.load(count_ptr + tile, volatile=True)
+                    tl.atomic_add(count_ptr + tile, 0, sem="acquire")  # h's loads after it
                     tl.debug_barrier()
                 stop = tl.minimum(first + BLOCKS_PER_ITEM, N_COL_BLOCKS)
                 for pid_n in tl.range(first, stop, num_stages=NUM_STAGES):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -250,6 +252,89 @@ def _workspace(device: torch.device, h_numel: int) -> tuple[Tensor, Tensor]:
 DELTA_K_STEPS = 0
 
 
+@dataclass
+class _DeltaPlan:
+    """What a :func:`launch_delta` call of one signature launches (everything but the
+    tensors' addresses follows from the signature), and the compiled kernels of it by the
+    tensors' 16-byte alignment (Triton's one specialisation on a tensor beyond its dtype)."""
+
+    grid: tuple[int]
+    ints: tuple[int, ...]
+    constexprs: dict[str, Any]
+    values: tuple[Any, ...]  # the constexprs in the kernel's order
+    num_warps: int
+    num_stages: int
+    h_numel: int
+    compiled: dict[tuple[bool, ...], Any] = field(default_factory=dict)
+
+
+_DELTA_PLANS: dict[tuple, _DeltaPlan | None] = {}
+
+
+def _delta_plan(
+    y: Tensor, x: Tensor, a: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
+    grouped_offsets: Tensor, end: Tensor, max_rank: int, overwrite: bool, ranks: Tensor | None,
+) -> _DeltaPlan | None:  # fmt: skip
+    """The launch of a :func:`launch_delta` signature (None: nothing to launch). Raises its
+    errors."""
+    n, k = x.shape
+    num_slots, sr, k_a = a.shape
+    out_features = b.shape[1]
+    g = lora_ids.numel()
+    if n == 0 or (g == 0 and not overwrite):
+        return None
+    if n > 64:
+        raise ValueError(f"launch_delta serves decode steps of at most 64 rows, got {n}")
+    num_slices = len(out_slices)
+    assert k_a == k and sr == num_slices * max_rank and y.shape == (n, out_features)
+    _check_devices(y, x, a, b, lora_ids, grouped_offsets, end, *_opt(ranks))
+    sms = device_sms(x.device)
+    scfg = shrink_config(n, k, sr, x.element_size(), sms)
+    if DELTA_K_STEPS:
+        scfg = _finish_shrink(
+            k, scfg.block_m, scfg.block_n, scfg.block_k, cdiv(k, DELTA_K_STEPS * scfg.block_k),
+            scfg.num_warps, scfg.num_stages,
+        )  # fmt: skip
+    ecfg = expand_config(n, max(out_slices), max_rank, y.element_size(), sms)
+    assert scfg.block_m == ecfg.block_m
+    blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), ecfg.block_n)
+    groups = g + 1 if overwrite else g
+    tiles = num_tiles(n, groups, ecfg.block_m)
+    assert tiles <= DELTA_MAX_TILES
+    per_item = _run_length(tiles, n_blocks, x.device)
+    n_shrink = tiles * cdiv(sr, scfg.block_n) * scfg.split_k
+    n_expand = tiles * cdiv(n_blocks, per_item)
+    f32 = (
+        x.dtype != a.dtype
+        or x.dtype == torch.float32
+        or (x.dtype == torch.bfloat16 and interpreted())
+    )
+    # fmt: off
+    ints = (
+        n, k, g, num_slots, scfg.k_per_split, n_shrink, n_expand,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+        n * max_rank, max_rank, 1,  # h [S, N, R], contiguous at the workspace's start
+        y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2),
+    )
+    constexprs = dict(
+        R=max_rank, SR=sr, G_POW2=max(16, next_pow2(groups)), NUM_SLICES=num_slices,
+        N_COL_BLOCKS=n_blocks, SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
+        BLOCK_M=ecfg.block_m, SHRINK_N=scfg.block_n, BLOCK_K=scfg.block_k,
+        SPLIT_K=scfg.split_k, BLOCK_N=ecfg.block_n, BLOCK_R=ecfg.block_r,
+        BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1,
+        USE_DOT=ecfg.use_dot, CAST_F32=f32, S_PRECISION="tf32x3" if f32 else "tf32",
+        E_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
+        OVERWRITE=overwrite, HAS_RANKS=ranks is not None, MAX_TILES=DELTA_MAX_TILES,
+    )
+    # fmt: on
+    sig = fast_launch.signature(_delta_kernel)
+    values = tuple(constexprs[name] for name in sig[1]) if sig else ()
+    return _DeltaPlan(
+        (n_shrink + n_expand,), ints, constexprs, values,
+        max(scfg.num_warps, ecfg.num_warps), scfg.num_stages, num_slices * n * max_rank,
+    )  # fmt: skip
+
+
 def launch_delta(
     y: Tensor,
     x: Tensor,
@@ -269,6 +354,10 @@ def launch_delta(
     their row tile's shrink items (``_delta_kernel``), and ``h`` lives in the stream's
     zero workspace, so no memset and one launch instead of three.
 
+    An eager call is bound by its host time, so the launch of each call signature (shapes,
+    strides, dtypes, devices) is worked out once and kept, with the compiled kernel it
+    launches (:class:`_DeltaPlan`).
+
     Args:
         y: ``[N, sum(out_slices)]``: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T``
             for rows ``t < end`` (others left unchanged); with ``overwrite``, every row is
@@ -278,64 +367,54 @@ def launch_delta(
         lora_ids, grouped_offsets, end: the routing triple.
 
     Raises:
-        ValueError: for more than 64 rows.
+        ValueError: for more than 64 rows, or tensors on different devices.
     """
     _require_triton()
-    n, k = x.shape
-    num_slots, sr, k_a = a.shape
-    out_features = b.shape[1]
-    g = lora_ids.numel()
-    if n == 0 or (g == 0 and not overwrite):
-        return
-    if n > 64:
-        raise ValueError(f"launch_delta serves decode steps of at most 64 rows, got {n}")
-    num_slices = len(out_slices)
-    assert k_a == k and sr == num_slices * max_rank and y.shape == (n, out_features)
-    _check_devices(y, x, a, b, lora_ids, grouped_offsets, end, *_opt(ranks))
-    sms = device_sms(x.device)
-    scfg = shrink_config(n, k, sr, x.element_size(), sms)
-    if DELTA_K_STEPS:
-        scfg = _finish_shrink(
-            k, scfg.block_m, scfg.block_n, scfg.block_k, cdiv(k, DELTA_K_STEPS * scfg.block_k),
-            scfg.num_warps, scfg.num_stages,
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, y.shape, y.stride(), y.dtype, y.device,
+        a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+        lora_ids.shape, lora_ids.dtype, lora_ids.device, grouped_offsets.shape,
+        grouped_offsets.dtype, grouped_offsets.device, end.dtype, end.device,
+        None if ranks is None else (ranks.dtype, ranks.device),
+        tuple(out_slices), max_rank, overwrite, DELTA_K_STEPS,
+    )  # fmt: skip
+    try:
+        plan = _DELTA_PLANS[key]
+    except KeyError:
+        plan = _DELTA_PLANS[key] = _delta_plan(
+            y, x, a, b, tuple(out_slices), lora_ids, grouped_offsets, end, max_rank, overwrite,
+            ranks,
         )  # fmt: skip
-    ecfg = expand_config(n, max(out_slices), max_rank, y.element_size(), sms)
-    assert scfg.block_m == ecfg.block_m
-    count, ws = _workspace(x.device, num_slices * n * max_rank)
-    h = ws[: num_slices * n * max_rank].view(num_slices, n, max_rank)
-    blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), ecfg.block_n)
-    groups = g + 1 if overwrite else g
-    tiles = num_tiles(n, groups, ecfg.block_m)
-    assert tiles <= DELTA_MAX_TILES
-    per_item = _run_length(tiles, n_blocks, x.device)
-    n_shrink = tiles * cdiv(sr, scfg.block_n) * scfg.split_k
-    n_expand = tiles * cdiv(n_blocks, per_item)
-    f32 = (
-        x.dtype != a.dtype
-        or x.dtype == torch.float32
-        or (x.dtype == torch.bfloat16 and interpreted())
-    )
+    if plan is None:
+        return
+    count, h = _workspace(x.device, plan.h_numel)
+    tensors = (x, a, h, y, b, count, lora_ids, grouped_offsets, end,
+               lora_ids if ranks is None else ranks)  # fmt: skip
     with _device_guard(x):
-        # fmt: off
-        fast_launch.launch(_delta_kernel, (n_shrink + n_expand,), (
-            x, a, h, y, b, count, lora_ids, grouped_offsets, end,
-            lora_ids if ranks is None else ranks,
-            n, k, g, num_slots, scfg.k_per_split, n_shrink, n_expand,
-            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-            h.stride(0), h.stride(1), h.stride(2),
-            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        ), dict(
-            R=max_rank, SR=sr, G_POW2=max(16, next_pow2(groups)), NUM_SLICES=num_slices,
-            N_COL_BLOCKS=n_blocks, SLICE_BLOCK0=blk0, SLICE_COL0=col0, SLICE_WIDTH=widths,
-            BLOCK_M=ecfg.block_m, SHRINK_N=scfg.block_n, BLOCK_K=scfg.block_k,
-            SPLIT_K=scfg.split_k, BLOCK_N=ecfg.block_n, BLOCK_R=ecfg.block_r,
-            BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1,
-            USE_DOT=ecfg.use_dot, CAST_F32=f32, S_PRECISION="tf32x3" if f32 else "tf32",
-            E_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
-            OVERWRITE=overwrite, HAS_RANKS=ranks is not None, MAX_TILES=DELTA_MAX_TILES,
-        ), num_warps=max(scfg.num_warps, ecfg.num_warps), num_stages=scfg.num_stages,
-            device=x.device)
-        # fmt: on
+        if x.is_cuda and fast_launch.enabled():
+            align = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+            compiled = plan.compiled.get(align)
+            if compiled is not None:
+                index = (
+                    x.device.index if x.device.index is not None else torch.cuda.current_device()
+                )
+                compiled.run(
+                    plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(index),
+                    compiled.function, compiled.packed_metadata, None, None, None,
+                    *tensors, *plan.ints, *plan.values,
+                )  # fmt: skip
+                return
+            compiled = _delta_kernel[plan.grid](
+                *tensors, *plan.ints, **plan.constexprs, num_warps=plan.num_warps,
+                num_stages=plan.num_stages,
+            )  # fmt: skip
+            if plan.values and fast_launch.launchable(compiled):
+                plan.compiled[align] = compiled
+            return
+        _delta_kernel[plan.grid](
+            *tensors, *plan.ints, **plan.constexprs, num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )  # fmt: skip
 
 
 def launch_expand_silu_mul(
