@@ -21,7 +21,8 @@ pipeline each, captured after the variant's switches are set), e.g.
 
     fused_silu=0|1     ops.DECODE_FUSED_SILU (gate/up: side shrink + fused expand/SwiGLU)
     overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
-    fused_delta=0|1    triton_launch.DELTA_FUSED (the delta's shrink + expand in one launch)
+    fused_delta=0|1    triton_launch.DELTA_FUSED (the side-stream delta's shrink + expand in
+                       one launch; default 0)
     k_steps=N          triton_launch.DELTA_K_STEPS (BLOCK_K steps a K split of that shrink
                        takes; 0: the shrink's own split)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
@@ -31,8 +32,8 @@ pipeline each, captured after the variant's switches are set), e.g.
 from __future__ import annotations
 
 import argparse
-import gc
 import functools
+import gc
 import json
 import os
 import statistics
@@ -253,7 +254,7 @@ def apply_switches(switches: dict[str, str]) -> None:
 
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
-    triton_launch.DELTA_FUSED = switches.get("fused_delta", "1") == "1"
+    triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"
     triton_launch.DELTA_K_STEPS = int(switches.get("k_steps", "0"))
 
 

@@ -12,7 +12,8 @@
 #                                   (VARIANTS, default: the code's defaults against session 7's path,
 #                                   ranks 8/16/32/64 mixed in a rank-64 pool, with and without slot ranks)
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
-#   bash bench/gpu_run.sh host      bench/host_time.py (eager host time of one LoRA linear call)
+#   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
+#   bash bench/gpu_run.sh kernelsdec bench/kernels.py at decode sizes and 512 rows, Triton only
 #   bash bench/gpu_run.sh triton    the Triton kernels' GPU tests (against float64, graph replay)
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh arch      the architectures' GPU tests (Qwen3, Phi-3, Gemma 2, tied, windowed
@@ -61,7 +62,10 @@ for stage in "$@"; do
       python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 16 2>&1 \
         | tee "$OUT/profile_decode.log" | grep -v Warning | tail -30 ;;
     host)
-      python3 bench/host_time.py --json "$OUT/host_time.json" 2>&1 | tee "$OUT/host_time.log" | tail -9 ;;
+      python3 bench/host_time.py --profile --json "$OUT/host_time.json" 2>&1 | tee "$OUT/host_time.log" | tail -9 ;;
+    kernelsdec)
+      python3 bench/kernels.py --skip-torch --prefill 512 --json "$OUT/kernels_decode.json" 2>&1 \
+        | tee "$OUT/kernels_decode.log" | grep "^|" ;;
     triton)
       python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_triton_ops.py 2>&1 | tee "$OUT/gpu_triton.log" | tail -4 ;;
     serve)

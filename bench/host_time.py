@@ -16,6 +16,7 @@ with the device's queue kept short by small kernels, the wall time a call is its
 Microseconds a call: the median over ``--rounds`` rounds of the mean of ``--calls`` calls.
 
     python bench/host_time.py            # on CUDA (the Triton kernels)
+    python bench/host_time.py --profile  # and where the LoRA call's host time goes (cProfile)
     python bench/host_time.py --smoke    # on the CPU (the torch reference), to check it runs
 """
 
@@ -58,6 +59,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--smoke", action="store_true", help="small shapes on the CPU")
     p.add_argument("--json", default="bench/out/host_time.json")
+    p.add_argument(
+        "--profile", action="store_true", help="also print where the LoRA call's host time goes"
+    )
     args = p.parse_args()
 
     from lora_graph import ops
@@ -127,6 +131,17 @@ def main() -> None:
             )
         finally:
             fast_launch.enabled = enabled
+    if args.profile:  # the functions a LoRA call spends its host time in (cProfile)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls * 5):
+            layer(x, routing)
+        sync()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     lines = ["| what | µs a call |", "|---|---:|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in results.items()]
     print(f"{device}: {n} rows, 4 adapters of rank {rank}, q/k/v {hidden}->{target.out_features}")

@@ -21,6 +21,8 @@ What it measures (H100/H200-class GPU, bf16, max_rank 16, rank-16 adapters, 8 sl
   (x read, y read and written, h written and read in fp32); and its ratio to the copy
   bandwidth ("% copy"). ``floor_us`` is bytes needed / copy bandwidth.
 - each case's Triton output is checked against the reference on layer 0 (``rel_err``).
+- at decode sizes, ``delta``: the same layer as one launch (``delta_``: shrink + expand in
+  one kernel, what an eager decode call runs), timed and checked likewise.
 - ``--sweep`` also times tile variants of both kernels at decode.
 
     python bench/kernels.py                 # the H200 run (writes bench/out/kernels.json)
@@ -279,6 +281,11 @@ class Bed:
                 for a, b in stacks:
                     h = reference.shrink(x, a, t.num_slices, *routing)
                     reference.expand_(y, h, b, slices, *routing)
+        elif backend == "delta":  # shrink + expand in one launch (eager decode calls)
+
+            def fn():
+                for a, b in stacks:
+                    T.delta_(y, x, a, b, slices, *routing)
         elif shrink_cfg is None and expand_cfg is None:
 
             def fn():
@@ -311,9 +318,9 @@ class Bed:
         )
         return adapters, acts
 
-    def check(self) -> float:
-        """Relative error of one Triton layer against the torch reference, from the same y;
-        relative to the delta."""
+    def check(self, backend: str = "triton") -> float:
+        """Relative error of one Triton layer (``backend``: the pair, or ``delta``, the one
+        launch) against the torch reference, from the same y; relative to the delta."""
         t = self.target
         a, b = self.stacks[0]
         ref = self.y_init.clone()
@@ -325,13 +332,16 @@ class Bed:
             *self.routing,
         )
         got = self.y_init.clone()
-        T.expand_(
-            got,
-            T.shrink(self.x, a, t.num_slices, *self.routing),
-            b,
-            list(t.out_slices),
-            *self.routing,
-        )
+        if backend == "delta":
+            T.delta_(got, self.x, a, b, list(t.out_slices), *self.routing)
+        else:
+            T.expand_(
+                got,
+                T.shrink(self.x, a, t.num_slices, *self.routing),
+                b,
+                list(t.out_slices),
+                *self.routing,
+            )
         delta_ref = ref.double() - self.y_init.double()
         err = (got.double() - ref.double()).norm() / delta_ref.norm().clamp_min(1e-30)
         return float(err)
@@ -465,6 +475,12 @@ def main() -> None:
                         triton_GBps=total / t_tri / 1e9,
                         triton_pct_copy=100 * total / t_tri / copy_bw,
                     )
+                    if phase == "decode":  # also shrink + expand in one launch (delta_)
+                        row["delta_rel_err"] = bed.check("delta")
+                        t_delta, _ = per_layer_time(bed, "delta", layers, device)
+                        row.update(
+                            delta_us=t_delta * 1e6, delta_pct_copy=100 * total / t_delta / copy_bw
+                        )
                 if not ARGS.skip_torch:
                     ref_layers = min(layers, 32 if device.type == "cuda" else layers)
                     t_ref, how_ref = per_layer_time(bed, "torch", ref_layers, device)
@@ -498,19 +514,20 @@ def main() -> None:
     )
     print()
     print(
-        "| target | phase | tokens | adapters | floor µs | triton µs | torch µs | speedup "
-        "| triton GB/s | triton % copy | rel err |"
+        "| target | phase | tokens | adapters | floor µs | triton µs | delta µs | torch µs "
+        "| speedup | triton GB/s | triton % copy | delta % copy | rel err | delta rel err |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
 
         def f(key, fmt, r=r):
             return format(r[key], fmt) if key in r else "-"
 
         cells = [r["target"], r["phase"], r["tokens"], r["adapters"], f("floor_us", ".2f"),
-                 f("triton_us", ".2f"), f("torch_us", ".2f"), f("speedup", ".1f"),
-                 f("triton_GBps", ".0f"), f("triton_pct_copy", ".1f"),
-                 f("rel_err", ".1e")]  # fmt: skip
+                 f("triton_us", ".2f"), f("delta_us", ".2f"), f("torch_us", ".2f"),
+                 f("speedup", ".1f"), f("triton_GBps", ".0f"), f("triton_pct_copy", ".1f"),
+                 f("delta_pct_copy", ".1f"), f("rel_err", ".1e"),
+                 f("delta_rel_err", ".1e")]  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
     if sweep:
         print()

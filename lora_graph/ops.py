@@ -302,7 +302,7 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         impl.linear_delta,
         impl.expand_silu_mul,
         impl.linear_shrink,
-        impl.delta_ if impl.DELTA_FUSED else None,
+        impl.delta_,
     )
     if device.type == "cuda":
         return Kernels(

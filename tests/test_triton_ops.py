@@ -531,6 +531,7 @@ def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
     (atomic partial sums) and in one split (plain stores), and ``linear_delta`` through it
     as in a graph; more than 64 rows is refused."""
     monkeypatch.setattr(T, "DELTA_K_STEPS", k_steps)
+    monkeypatch.setattr(T, "DELTA_FUSED", True)
     pool = pools[torch.float32]
     routing = make_routing(mixed_groups(30), pad_to=8)
     n = 37
@@ -1037,11 +1038,13 @@ def test_gpu_cuda_graph_replay(gpu_pools):
 @pytest.mark.parametrize("n", [1, 8, 64])
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_one_launch_delta_in_a_graph(gpu_pools, n):
-    """``linear_delta`` (its delta one ``launch_delta`` on the side stream) captured in a
-    CUDA graph and replayed after the routing changes in place (one group, then one group a
+def test_gpu_one_launch_delta_in_a_graph(gpu_pools, monkeypatch, n):
+    """``linear_delta`` with its delta one ``launch_delta`` on the side stream (the switch
+    ``DELTA_FUSED``, off by default: slower on the H200) captured in a CUDA graph and
+    replayed after the routing changes in place (one group, then one group a
     row over every rank 1..64, then a few with base rows), against float64; the eager
     ``delta_`` likewise; the workspace all zero after each."""
+    monkeypatch.setattr(T, "DELTA_FUSED", True)
     pool = gpu_pools(4096)
     ids, offs, end = make_routing([(4, n)], device=GPU, pad_to=max(GPU_SLOTS, n + 1))
     layouts = [

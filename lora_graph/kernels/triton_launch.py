@@ -538,9 +538,11 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
 # adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
 DELTA_OVERWRITE = True
-# Whether the side-stream delta (and an eager decode call) is one launch_delta (True) or a
-# shrink and an expand (False: benchmarks compare).
-DELTA_FUSED = True
+# Whether the side-stream delta is one launch_delta (True) or a shrink and an expand
+# (False). On the H200 (Llama-3-8B shapes, session 9, call 2) the one launch made the decode
+# step 2-9% slower at 1-64 rows: its expand programs wait on SMs the base GEMM beside it
+# needs. Eager decode calls use launch_delta whatever this says (Kernels.delta_).
+DELTA_FUSED = False
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
