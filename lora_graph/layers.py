@@ -108,11 +108,16 @@ class LoRALinear(_LoRALayer):
         self.per_segment = target.per_segment
         self.num_slices = target.num_slices
         self.out_slices = list(target.out_slices)
+        # the eager one-launch delta's launches (token or segment routing): this layer passes
+        # the same slot stacks and ranks every call, and routing views laid out alike
+        self._plans_tokens: dict = {}
+        self._plans_segments: dict = {}
 
     def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         if routing is None:
             return self.base(x)
-        route = routing.segments if self.per_segment and x.dim() == 2 else routing.tokens
+        by_segment = self.per_segment and x.dim() == 2
+        route = routing.segments if by_segment else routing.tokens
         x2 = x.reshape(-1, x.shape[-1])
         k = _kernels_now(self._kernels)
         if k.linear_delta is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS and _in_graph(x2):
@@ -125,8 +130,9 @@ class LoRALinear(_LoRALayer):
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = self.base(x)
         if k.delta_ is not None and x2.shape[0] <= ops.DELTA_MAX_ROWS:  # eager decode
+            plans = self._plans_segments if by_segment else self._plans_tokens
             k.delta_(y.view(-1, y.shape[-1]), x2, self.a, self.b, self.out_slices, *route,
-                     ranks=self.ranks)  # fmt: skip
+                     ranks=self.ranks, plans=plans)  # fmt: skip
             return y
         h = k.shrink(x2, self.a, self.num_slices, *route, ranks=self.ranks)
         k.expand(y.view(-1, y.shape[-1]), h, self.b, self.out_slices, *route, ranks=self.ranks)

@@ -348,6 +348,7 @@ def launch_delta(
     *,
     overwrite: bool = False,
     ranks: Tensor | None = None,
+    plans: dict | None = None,
 ) -> None:
     """:func:`launch_shrink` then :func:`launch_expand` in one launch, for decode (at most
     :data:`lora_graph.ops.DELTA_MAX_ROWS` rows): the expand items wait in the kernel for
@@ -365,23 +366,38 @@ def launch_delta(
         x: ``[N, K]`` activations; ``a``, ``b``, ``ranks``: as :func:`launch_shrink` and
             :func:`launch_expand`.
         lora_ids, grouped_offsets, end: the routing triple.
+        plans: the caller's own cache of launches, for a caller that passes the same ``a``,
+            ``b`` and ``ranks`` tensors every call, and routing tensors that are always
+            views of one layout (a LoRA layer, with its :class:`RoutingBuffer`): its calls
+            are then told apart by ``x``, ``y`` and the number of groups alone, which costs
+            less host time. None: a cache shared by every call, keyed on every tensor's
+            shape, strides, dtype and device.
 
     Raises:
         ValueError: for more than 64 rows, or tensors on different devices.
     """
     _require_triton()
-    key = (
-        x.shape, x.stride(), x.dtype, x.device, y.shape, y.stride(), y.dtype, y.device,
-        a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-        lora_ids.shape, lora_ids.dtype, lora_ids.device, grouped_offsets.shape,
-        grouped_offsets.dtype, grouped_offsets.device, end.dtype, end.device,
-        None if ranks is None else (ranks.dtype, ranks.device),
-        tuple(out_slices), max_rank, overwrite, DELTA_K_STEPS,
-    )  # fmt: skip
+    if plans is None:
+        plans = _DELTA_PLANS
+        key: tuple = (
+            x.shape, x.stride(), x.dtype, x.device, y.shape, y.stride(), y.dtype, y.device,
+            a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            lora_ids.shape, lora_ids.dtype, lora_ids.device, grouped_offsets.shape,
+            grouped_offsets.dtype, grouped_offsets.device, end.dtype, end.device,
+            None if ranks is None else (ranks.dtype, ranks.device),
+            tuple(out_slices), max_rank, overwrite, DELTA_K_STEPS,
+        )  # fmt: skip
+        varying = None  # every tensor's alignment is checked
+    else:  # the caller's own cache: only x, y and the number of groups change
+        key = (
+            x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype,
+            y.get_device(), lora_ids.shape, lora_ids.dtype, overwrite, DELTA_K_STEPS,
+        )  # fmt: skip
+        varying = (x, y)
     try:
-        plan = _DELTA_PLANS[key]
+        plan = plans[key]
     except KeyError:
-        plan = _DELTA_PLANS[key] = _delta_plan(
+        plan = plans[key] = _delta_plan(
             y, x, a, b, tuple(out_slices), lora_ids, grouped_offsets, end, max_rank, overwrite,
             ranks,
         )  # fmt: skip
@@ -392,14 +408,11 @@ def launch_delta(
                lora_ids if ranks is None else ranks)  # fmt: skip
     with _device_guard(x):
         if x.is_cuda and fast_launch.enabled():
-            align = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+            align = tuple(t.data_ptr() % 16 == 0 for t in (varying or tensors))
             compiled = plan.compiled.get(align)
             if compiled is not None:
-                index = (
-                    x.device.index if x.device.index is not None else torch.cuda.current_device()
-                )
                 compiled.run(
-                    plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(index),
+                    plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(x.get_device()),
                     compiled.function, compiled.packed_metadata, None, None, None,
                     *tensors, *plan.ints, *plan.values,
                 )  # fmt: skip
@@ -408,6 +421,8 @@ def launch_delta(
                 *tensors, *plan.ints, **plan.constexprs, num_warps=plan.num_warps,
                 num_stages=plan.num_stages,
             )  # fmt: skip
+            # (with the caller's cache, the other tensors' alignment is that of this call's:
+            # they are the same tensors every call, and workspaces are fresh allocations)
             if plan.values and fast_launch.launchable(compiled):
                 plan.compiled[align] = compiled
             return
@@ -524,13 +539,14 @@ def expand_silu_mul(
 
 def delta_(
     y: Tensor, x: Tensor, a: Tensor, b: Tensor, out_slices: list[int], *routing: Tensor,
-    ranks: Tensor | None = None,
+    ranks: Tensor | None = None, plans: dict | None = None,
 ) -> None:  # fmt: skip
     """``expand_(y, shrink(x, a, len(out_slices), *routing), b, out_slices, *routing)`` in
-    one launch (:func:`launch_delta`; at most 64 rows): an eager decode call's LoRA."""
+    one launch (:func:`launch_delta`, which says what ``plans`` is; at most 64 rows): an
+    eager decode call's LoRA."""
     _require_triton()
-    launch_delta(y, x, a, b, tuple(out_slices), *routing, a.shape[1] // len(out_slices),
-                 ranks=ranks)  # fmt: skip
+    launch_delta(y, x, a, b, out_slices, *routing, a.shape[1] // len(out_slices),
+                 ranks=ranks, plans=plans)  # fmt: skip
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
