@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 WRITES_JSON = {
     "adapter_load.py",
+    "decode_gemm.py",
     "decode.py",
     "host_time.py",
     "kernels.py",
@@ -36,6 +37,7 @@ def test_every_benchmark_is_covered():
         "adapter_load.py",
         "attention.py",
         "decode.py",
+        "decode_gemm.py",
         "host_time.py",
         "kernels.py",
         "precision.py",
