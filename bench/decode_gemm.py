@@ -19,6 +19,7 @@ from HBM:
     cublas+lora     lora_graph's decode path: linear_delta (the delta on a side stream) + the add
     triton          the prototype without LoRA (best of its tile variants)
     triton+lora     the prototype with LoRA (the same tiles)
+    epilogue        the prototype with its expand epilogue only (no shrink programs, no wait)
     floor           weights + the adapters' A and B + activations over the copy bandwidth
 
     python bench/decode_gemm.py            # the H200 run
@@ -110,19 +111,20 @@ def _gemm_lora_kernel(
             ht = tl.load(h_ptr + sl * stride_hs + offs_m[:, None] * stride_hm + offs_r[None, :],
                          mask=mask_m[:, None], other=0.0)
             end = tl.load(end_ptr)
-            for g in range(0, G):
+            # every group, branch-free and pipelined (a group without a delta reads slot 0's
+            # zero B): the B tile loads of later groups are in flight while this one's adds
+            for g in tl.range(0, G, num_stages=3):
                 slot = tl.load(lora_ids_ptr + g)
+                slot = tl.where((slot > 0) & (slot < num_slots), slot, 0)
                 lo = tl.load(offsets_ptr + g)
                 hi = tl.minimum(tl.load(offsets_ptr + g + 1), end)
-                if (slot > 0) & (slot < num_slots) & (hi > lo):
-                    rows = (offs_m >= lo) & (offs_m < hi)
-                    hg = tl.where(rows[:, None], ht, 0.0)
-                    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs
-                                 + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
-                    if CAST_F32:
-                        acc = tl.dot(hg, tl.trans(bt.to(tl.float32)), acc)
-                    else:
-                        acc = tl.dot(hg.to(bt.dtype), tl.trans(bt), acc)
+                hg = tl.where(((offs_m >= lo) & (offs_m < hi))[:, None], ht, 0.0)
+                bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs
+                             + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
+                if CAST_F32:
+                    acc = tl.dot(hg, tl.trans(bt.to(tl.float32)), acc)
+                else:
+                    acc = tl.dot(hg.to(bt.dtype), tl.trans(bt), acc)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None])
         if HAS_LORA:  # the last program leaves the workspace zero
@@ -140,9 +142,10 @@ def _gemm_lora_kernel(
 
 
 def gemm_lora(x, w, a, b, out_slices, routing, ws, *, lora=True, block_n=32, block_k=256,
-              stages=4, split_k=16):  # fmt: skip
+              stages=4, split_k=16, shrink=True):  # fmt: skip
     """``y = x @ w.T`` (+ the LoRA delta of ``a`` ``[slots, S*R, K]``, ``b`` ``[slots, N, R]``
-    under ``routing``) in one launch. ``ws = (count [2] int32, h [S, M, R] float32)``, zero."""
+    under ``routing``) in one launch. ``ws = (count [2] int32, h [S, M, R] float32)``, zero.
+    ``shrink=False`` (timing only): no shrink programs, the epilogue adds ``h`` as it is (0)."""
     m, k = x.shape
     n = w.shape[0]
     ids, offs, end = routing
@@ -155,7 +158,7 @@ def gemm_lora(x, w, a, b, out_slices, routing, ws, *, lora=True, block_n=32, blo
     split = triton.cdiv(k, k_per_split)
     g = ids.numel()
     tiles = triton.cdiv(m, s_block_m) + min(g, m)
-    n_shrink = tiles * triton.cdiv(sr, 64) * split if lora else 0
+    n_shrink = tiles * triton.cdiv(sr, 64) * split if lora and shrink else 0
     col0 = tuple(sum(out_slices[:i]) for i in range(num_slices))
     assert all(c % block_n == 0 for c in col0) and n % block_n == 0 and k % block_k == 0
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -265,6 +268,20 @@ def time_case(row, x, weights, pools, slices, routing, ws, variants, reps) -> No
             x, weights[i], *pools[i], slices, routing, ws, block_n=bn, block_k=bk, stages=st
         )  # fmt: skip
     )
+    row["triton_epilogue_us"] = per_layer(  # the expand epilogue alone (no shrink, no wait)
+        lambda i: gemm_lora(
+            x,
+            weights[i],
+            *pools[i],
+            slices,
+            routing,
+            ws,
+            block_n=bn,
+            block_k=bk,
+            stages=st,
+            shrink=False,
+        )  # fmt: skip
+    )
     assert not ws[0].any() and not ws[1].any()
 
 
@@ -274,6 +291,7 @@ def main() -> None:
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--targets", nargs="+", default=None, help="qkv o gate_up down (default all)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default="bench/out/decode_gemm.json")
     args = p.parse_args()
@@ -285,6 +303,7 @@ def main() -> None:
         shapes = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
                   "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}  # fmt: skip
         rows = args.rows
+        shapes = {k: v for k, v in shapes.items() if args.targets is None or k in args.targets}
     else:
         shapes = {"qkv": (256, (128, 32, 32)), "down": (512, (64,))}
         rows = [1, 8, 20]
@@ -338,12 +357,13 @@ def main() -> None:
     if cuda:
         print()
         print("| target | rows | adapters | floor µs | cublas µs | cublas+lora µs | triton µs | "
-              "triton+lora µs | tiles | (cublas+lora)/cublas | (triton+lora)/cublas |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+              "triton+lora µs | epilogue µs | tiles | (cublas+lora)/cublas | "
+              "(triton+lora)/cublas |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for r in results:
             print(f"| {r['target']} | {r['rows']} | {r['adapters']} | {r['floor_us']:.2f} | "
                   f"{r['cublas_us']:.2f} | {r['cublas_lora_us']:.2f} | {r['triton_us']:.2f} | "
-                  f"{r['triton_lora_us']:.2f} | {r['tiles']} | "
+                  f"{r['triton_lora_us']:.2f} | {r['triton_epilogue_us']:.2f} | {r['tiles']} | "
                   f"{r['cublas_lora_us'] / r['cublas_us']:.2f} | "
                   f"{r['triton_lora_us'] / r['cublas_us']:.2f} |")  # fmt: skip
     else:  # the smoke run checks only
