@@ -6,7 +6,7 @@ separate kernels that wait for SMs beside (or after) the cuBLAS GEMM. This measu
 other design: one kernel per target whose first programs shrink (``h = x @ A[slot].T``,
 atomics into a zero workspace) and whose other programs stream the weight
 (``y = x @ W.T``) and, in their epilogue, wait for the shrink (by then long done) and add
-``h @ B[slot].T`` for each group of rows. If that kernel costs what cuBLAS costs plus the
+``h[m] @ B[slot(m)].T`` for each row (R gathers). If that kernel costs what cuBLAS costs plus the
 adapters' bytes, the decode LoRA target is in reach with it; if a Triton GEMM alone is
 slower than cuBLAS here, it is not.
 
@@ -107,24 +107,23 @@ def _gemm_lora_kernel(
                 done = tl.load(count_ptr, volatile=True)
             tl.atomic_add(count_ptr, 0, sem="acquire")
             tl.debug_barrier()
-            offs_r = tl.arange(0, R)
-            ht = tl.load(h_ptr + sl * stride_hs + offs_m[:, None] * stride_hm + offs_r[None, :],
-                         mask=mask_m[:, None], other=0.0)
-            end = tl.load(end_ptr)
-            # every group, branch-free and pipelined (a group without a delta reads slot 0's
-            # zero B): the B tile loads of later groups are in flight while this one's adds
-            for g in tl.range(0, G, num_stages=3):
-                slot = tl.load(lora_ids_ptr + g)
-                slot = tl.where((slot > 0) & (slot < num_slots), slot, 0)
-                lo = tl.load(offsets_ptr + g)
-                hi = tl.minimum(tl.load(offsets_ptr + g + 1), end)
-                hg = tl.where(((offs_m >= lo) & (offs_m < hi))[:, None], ht, 0.0)
-                bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs
-                             + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
-                if CAST_F32:
-                    acc = tl.dot(hg, tl.trans(bt.to(tl.float32)), acc)
-                else:
-                    acc = tl.dot(hg.to(bt.dtype), tl.trans(bt), acc)
+            # each row's slot (0: no delta), from the group table in registers
+            gs = tl.arange(0, G_POW2)
+            in_g = gs < G
+            ids = tl.load(lora_ids_ptr + gs, mask=in_g, other=0)
+            lo = tl.load(offsets_ptr + gs, mask=in_g, other=0)
+            hi = tl.minimum(tl.load(offsets_ptr + gs + 1, mask=in_g, other=0), tl.load(end_ptr))
+            hit = (offs_m[:, None] >= lo[None, :]) & (offs_m[:, None] < hi[None, :]) & in_g[None, :]
+            row_slot = tl.max(tl.where(hit, ids[None, :], 0), axis=1)
+            row_slot = tl.where((row_slot > 0) & (row_slot < num_slots) & mask_m, row_slot, 0)
+            # delta[m, n] = sum_r h[m, r] * B[slot(m), n, r]: R independent gathers (no chain
+            # of dependent loads; a row without a delta reads slot 0's zero B)
+            b_rows = (b_ptr + row_slot.to(tl.int64)[:, None] * stride_bs
+                      + offs_n.to(tl.int64)[None, :] * stride_bn)
+            h_rows = h_ptr + sl * stride_hs + offs_m * stride_hm
+            for r in tl.static_range(R):
+                hr = tl.load(h_rows + r, mask=mask_m, other=0.0)
+                acc += hr[:, None] * tl.load(b_rows + r).to(tl.float32)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None])
         if HAS_LORA:  # the last program leaves the workspace zero
