@@ -107,13 +107,15 @@ def _gemm_lora_kernel(
                 done = tl.load(count_ptr, volatile=True)
             tl.atomic_add(count_ptr, 0, sem="acquire")
             tl.debug_barrier()
-            # each row's slot (0: no delta), from the group table in registers
+            # each row's slot (0: no delta), from the group table in registers (names apart
+            # from the shrink branch's: Triton types a name alike in both branches)
             gs = tl.arange(0, G_POW2)
             in_g = gs < G
             ids = tl.load(lora_ids_ptr + gs, mask=in_g, other=0)
-            lo = tl.load(offsets_ptr + gs, mask=in_g, other=0)
-            hi = tl.minimum(tl.load(offsets_ptr + gs + 1, mask=in_g, other=0), tl.load(end_ptr))
-            hit = (offs_m[:, None] >= lo[None, :]) & (offs_m[:, None] < hi[None, :]) & in_g[None, :]
+            g_lo = tl.load(offsets_ptr + gs, mask=in_g, other=0)
+            g_hi = tl.minimum(tl.load(offsets_ptr + gs + 1, mask=in_g, other=0), tl.load(end_ptr))
+            hit = (offs_m[:, None] >= g_lo[None, :]) & (offs_m[:, None] < g_hi[None, :])
+            hit = hit & in_g[None, :]
             row_slot = tl.max(tl.where(hit, ids[None, :], 0), axis=1)
             row_slot = tl.where((row_slot > 0) & (row_slot < num_slots) & mask_m, row_slot, 0)
             # delta[m, n] = sum_r h[m, r] * B[slot(m), n, r]: R independent gathers (no chain
