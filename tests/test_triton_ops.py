@@ -525,6 +525,35 @@ def test_one_launch_delta_against_float64(pools, dtype, groups, n):
 
 
 @interp
+def test_one_launch_delta_with_a_callers_plans(pools):
+    """``delta_`` with a caller's own cache of launches (a LoRA layer's): calls with other
+    row counts, another group count (a second routing buffer) and the same ones again each
+    get the launch that fits them, against float64; a plan is kept per signature."""
+    pool = pools[torch.float32]
+    t = pool.targets["qkv"]
+    a, b = pool.stacks("qkv")
+    plans: dict = {}
+    g = torch.Generator().manual_seed(5)
+    many = [(1 + i % 4, 1) for i in range(10)] + [(3, 2)]  # 11 groups: past 8 entries
+    cases = [
+        (mixed_groups(30), 37, 8),
+        ([(1, 5), (4, 3), (2, 4)], 12, 8),
+        (many, 12, 16),  # the same rows, 16 routing entries: another plan
+        (mixed_groups(30), 37, 8),
+    ]
+    for groups, n, pad in cases:
+        routing = make_routing(groups, pad_to=pad)
+        x = torch.randn(n, t.in_features, generator=g)
+        y0 = torch.randn(n, t.out_features, generator=g)
+        _, y64, _ = reference64(pool, "qkv", x, y0, routing)
+        y = y0.clone()
+        T.delta_(y, x, a, b, list(t.out_slices), *routing, plans=plans)
+        torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+        assert workspace_is_zero()
+    assert len(plans) == 3
+
+
+@interp
 @pytest.mark.parametrize("k_steps", [1, 2, 100])
 def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
     """``launch_delta`` with its shrink's K cut in splits of 1 and 2 ``BLOCK_K`` steps
