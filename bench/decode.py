@@ -237,7 +237,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
                     f"variant {name!r}: ranks must be positive integers, got {value!r}"
                 )
         elif key == "k_steps":
-            if not value.isdigit():
+            if not (value.isascii() and value.isdigit()):
                 raise SystemExit(
                     f"variant {name!r}: k_steps must be an integer >= 0, got {value!r}"
                 )

@@ -25,7 +25,9 @@ from HBM:
     python bench/decode_gemm.py            # the H200 run
     python bench/decode_gemm.py --smoke    # tiny shapes on the CPU (TRITON_INTERPRET=1), a check
 
-Not used by the engine: a measurement for issue #12's next step.
+Not used by the engine: a measurement for issue #12's next step. Its routing is the
+well-formed kind :class:`lora_graph.routing.RoutingBuffer` writes (groups of known slots
+covering the rows up to ``end``), not every edge case the engine's kernels accept.
 """
 
 from __future__ import annotations
@@ -291,8 +293,20 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--targets", nargs="+", default=None, help="qkv o gate_up down (default all)")
+    p.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 8, 32, 64],
+        help="decode rows on a GPU (default 1 8 32 64; --smoke checks 1 8 20)",
+    )
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        choices=["qkv", "o", "gate_up", "down"],
+        default=None,
+        help="targets to time on a GPU (default all; --smoke checks its own tiny two)",
+    )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default="bench/out/decode_gemm.json")
     args = p.parse_args()
@@ -353,8 +367,9 @@ def main() -> None:
                 row["floor_us"] = floor_b / copy_bw * 1e6
                 time_case(row, x, ws_, pools, slices, routing, ws, variants, args.reps)
             results.append(row)
-            print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()},
+            print({k_: format(v, ".3g") if isinstance(v, float) else v for k_, v in row.items()},
                   flush=True)  # fmt: skip
+
     if cuda:
         print()
         print("| target | rows | adapters | floor µs | cublas µs | cublas+lora µs | triton µs | "

@@ -14,6 +14,7 @@
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
 #   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
 #   bash bench/gpu_run.sh kernelsdec bench/kernels.py at decode sizes and 512 rows, Triton only
+#   bash bench/gpu_run.sh decodegemm bench/decode_gemm.py (the prototype: base GEMM + LoRA in one kernel)
 #   bash bench/gpu_run.sh triton    the Triton kernels' GPU tests (against float64, graph replay)
 #   bash bench/gpu_run.sh precision bench/precision.py
 #   bash bench/gpu_run.sh arch      the architectures' GPU tests (Qwen3, Phi-3, Gemma 2, tied, windowed
@@ -63,6 +64,9 @@ for stage in "$@"; do
         | tee "$OUT/profile_decode.log" | grep -v Warning | tail -30 ;;
     host)
       python3 bench/host_time.py --profile --json "$OUT/host_time.json" 2>&1 | tee "$OUT/host_time.log" | tail -9 ;;
+    decodegemm)
+      python3 bench/decode_gemm.py --json "$OUT/decode_gemm.json" 2>&1 | tee "$OUT/decode_gemm.log" \
+        | grep -v Warning | tail -20 ;;
     kernelsdec)
       python3 bench/kernels.py --skip-torch --prefill 512 --json "$OUT/kernels_decode.json" 2>&1 \
         | tee "$OUT/kernels_decode.log" | grep "^|" ;;

@@ -7,8 +7,10 @@ linear pays its host time: Python, the op dispatch, the kernel launches. This ti
 with the device's queue kept short by small kernels, the wall time a call is its host time.
 
     base        the base ``nn.Linear`` alone (the floor: one cuBLAS launch)
-    lora        the LoRA linear's forward (what a model calls)
-    delta       the ``linear_delta`` implementation called directly (no op dispatch)
+    lora        the LoRA linear's forward (what a model calls: at decode on CUDA the base
+                linear, then shrink and expand in one launch, ``delta_``)
+    delta       the captured step's ``linear_delta`` implementation, called eagerly here
+                (no op dispatch; not what an eager call runs)
     shrink      ``launch_shrink`` alone, and ``expand`` ``launch_expand`` alone
     ..., kernel[grid]   the same with every Triton launch through ``kernel[grid]`` instead
                 of :mod:`lora_graph.kernels.fast_launch`

@@ -554,6 +554,43 @@ def test_one_launch_delta_with_a_callers_plans(pools):
 
 
 @interp
+def test_one_launch_delta_refuses_what_does_not_fit(pools):
+    """``delta_`` refuses, naming the shapes, what its launch cannot serve (a new user's
+    trial: too few ``out_slices`` for the stack ran and changed every row; other mismatches
+    raised a bare ``AssertionError``); and a caller's plans told apart by whether ``ranks``
+    is given (the trial: the second call read the routing as the rank table)."""
+    pool = pools[torch.float32]
+    t = pool.targets["qkv"]
+    a, b = pool.stacks("qkv")
+    routing = make_routing([(1, 3), (4, 2)], pad_to=8)
+    x = torch.randn(5, t.in_features)
+    y = torch.zeros(5, t.out_features)
+    slices = list(t.out_slices)
+    bad = [
+        (dict(out_slices=slices[:2]), "shapes disagree"),
+        (dict(out_slices=[]), "one or more out_slices"),
+        (dict(y=torch.zeros(5, t.out_features + 1)), "shapes disagree"),
+        (dict(y=torch.zeros(4, t.out_features)), "shapes disagree"),
+        (dict(y=torch.zeros(5 * t.out_features)), "y [N, out]"),
+        (dict(x=torch.randn(5, t.in_features + 1)), "shapes disagree"),
+        (dict(y=torch.zeros(5, t.out_features, dtype=torch.int32)), "floating-point"),
+    ]
+    for change, message in bad:
+        args = dict(y=y, x=x, out_slices=slices) | change
+        with pytest.raises(ValueError, match=re.escape(message)):
+            T.delta_(args["y"], args["x"], a, b, args["out_slices"], *routing)
+    assert not y.any()
+    ranks = torch.tensor([RANKS.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32)
+    _, y64, _ = reference64(pool, "qkv", x, y, routing)
+    plans: dict = {}
+    for r in (ranks, None, ranks):
+        got = y.clone()
+        T.delta_(got, x, a, b, slices, *routing, ranks=r, plans=plans)
+        torch.testing.assert_close(got.double(), y64, rtol=1e-5, atol=1e-5)
+    assert len(plans) == 2
+
+
+@interp
 @pytest.mark.parametrize("k_steps", [1, 2, 100])
 def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
     """``launch_delta`` with its shrink's K cut in splits of 1 and 2 ``BLOCK_K`` steps

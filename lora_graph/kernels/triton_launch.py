@@ -277,16 +277,37 @@ def _delta_plan(
 ) -> _DeltaPlan | None:  # fmt: skip
     """The launch of a :func:`launch_delta` signature (None: nothing to launch). Raises its
     errors."""
+    if x.dim() != 2 or a.dim() != 3 or b.dim() != 3 or y.dim() != 2 or not out_slices:
+        raise ValueError(
+            f"launch_delta: x [N, K], a [slots, S*R, K], b [slots, out, R], y [N, out] and one "
+            f"or more out_slices, got x {list(x.shape)}, a {list(a.shape)}, b "
+            f"{list(b.shape)}, y {list(y.shape)}, out_slices {list(out_slices)}"
+        )
     n, k = x.shape
     num_slots, sr, k_a = a.shape
     out_features = b.shape[1]
+    num_slices = len(out_slices)
+    if (
+        k_a != k
+        or sr != num_slices * max_rank
+        or b.shape[2] != max_rank
+        or b.shape[0] != num_slots
+        or sum(out_slices) != out_features
+        or tuple(y.shape) != (n, out_features)
+    ):
+        raise ValueError(
+            f"launch_delta: shapes disagree: x {list(x.shape)}, a {list(a.shape)}, b "
+            f"{list(b.shape)}, y {list(y.shape)}, out_slices {list(out_slices)}, max_rank "
+            f"{max_rank} (want a [slots, len(out_slices) * max_rank, K], b [slots, "
+            f"sum(out_slices), max_rank], y [N, sum(out_slices)])"
+        )
+    if not y.dtype.is_floating_point:
+        raise ValueError(f"launch_delta: y must be a floating-point tensor, got {y.dtype}")
     g = lora_ids.numel()
     if n == 0 or (g == 0 and not overwrite):
         return None
     if n > 64:
         raise ValueError(f"launch_delta serves decode steps of at most 64 rows, got {n}")
-    num_slices = len(out_slices)
-    assert k_a == k and sr == num_slices * max_rank and y.shape == (n, out_features)
     _check_devices(y, x, a, b, lora_ids, grouped_offsets, end, *_opt(ranks))
     sms = device_sms(x.device)
     scfg = shrink_config(n, k, sr, x.element_size(), sms)
@@ -374,7 +395,8 @@ def launch_delta(
             shape, strides, dtype and device.
 
     Raises:
-        ValueError: for more than 64 rows, or tensors on different devices.
+        ValueError: for more than 64 rows, shapes that disagree (named in the message), a
+            non-floating ``y``, or tensors on different devices.
     """
     _require_triton()
     if plans is None:
@@ -391,7 +413,8 @@ def launch_delta(
     else:  # the caller's own cache: only x, y and the number of groups change
         key = (
             x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype,
-            y.get_device(), lora_ids.shape, lora_ids.dtype, overwrite, DELTA_K_STEPS,
+            y.get_device(), lora_ids.shape, lora_ids.dtype, ranks is None, overwrite,
+            DELTA_K_STEPS,
         )  # fmt: skip
         varying = (x, y)
     try:
@@ -545,7 +568,7 @@ def delta_(
     one launch (:func:`launch_delta`, which says what ``plans`` is; at most 64 rows): an
     eager decode call's LoRA."""
     _require_triton()
-    launch_delta(y, x, a, b, out_slices, *routing, a.shape[1] // len(out_slices),
+    launch_delta(y, x, a, b, out_slices, *routing, a.shape[1] // max(1, len(out_slices)),
                  ranks=ranks, plans=plans)  # fmt: skip
 
 
