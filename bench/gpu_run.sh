@@ -12,6 +12,8 @@
 #                                   (VARIANTS, default: the code's defaults against session 7's path,
 #                                   ranks 8/16/32/64 mixed in a rank-64 pool, with and without slot ranks)
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
+#   bash bench/gpu_run.sh profmixed bench/profile_step.py on decode steps of 1 and 64 rows, ranks 8/16/32/64
+#                                   in a rank-64 pool, then rank 16 alone (where a rank-64 pool's cost goes)
 #   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
 #   bash bench/gpu_run.sh kernelsdec bench/kernels.py at decode sizes and 512 rows, Triton only
 #   bash bench/gpu_run.sh decodegemm bench/decode_gemm.py (the prototype: base GEMM + LoRA in one kernel)
@@ -62,6 +64,11 @@ for stage in "$@"; do
     profdecode)
       python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 16 2>&1 \
         | tee "$OUT/profile_decode.log" | grep -v Warning | tail -30 ;;
+    profmixed)
+      for tok in 1 64; do for r in 8/16/32/64 16; do
+        python3 bench/profile_step.py --tokens $tok --decodes $tok --context 64 --adapters 16 --ranks $r 2>&1 \
+          | tee "$OUT/profile_mixed_${tok}_${r//\//-}.log" | grep -v Warning | tail -24
+      done; done ;;
     host)
       python3 bench/host_time.py --profile --json "$OUT/host_time.json" 2>&1 | tee "$OUT/host_time.log" | tail -9 ;;
     decodegemm)

@@ -1,12 +1,13 @@
 """Where one packed step's device time goes: kernel time by kind, base-only against LoRA.
 
-Llama-3-8B shapes, bf16, random weights and random rank-16 adapters on all seven linears
-(as ``bench/decode.py``). One step as ``bench/serve.py`` runs them at
-``--max-num-batched-tokens``: ``--decodes`` requests decoding (contexts spread around
-``--context``) beside prefill chunks filling the rest of the token budget, requests spread
-round-robin over ``--adapters`` adapters plus base rows. The step is captured (CUDA
-graphs) at its token bucket, replayed, and the replays profiled with ``torch.profiler``
-(CUPTI traces the kernels inside a graph); kernel time is summed by kind:
+Llama-3-8B shapes, bf16, random weights and random adapters on all seven linears (rank 16,
+or ``--ranks`` cycled over them in a pool of their largest rank; as ``bench/decode.py``).
+One step as ``bench/serve.py`` runs them at ``--max-num-batched-tokens``: ``--decodes``
+requests decoding (contexts spread around ``--context``) beside prefill chunks filling the
+rest of the token budget, requests spread round-robin over ``--adapters`` adapters plus
+base rows. The step is captured (CUDA graphs) at its token bucket, replayed, and the
+replays profiled with ``torch.profiler`` (CUPTI traces the kernels inside a graph); kernel
+time is summed by kind:
 
     gemm        cuBLAS / cutlass matrix multiplies (the base linears, the LM head)
     lora        lora_graph's shrink / expand kernels, and their memsets
@@ -17,6 +18,8 @@ for the LoRA pipeline with the mixed batch and with every row on the base model 
 base-only graph), and the step's wall time (CUDA events) for each.
 
     python bench/profile_step.py             # the H200 run
+    python bench/profile_step.py --tokens 1 --decodes 1 --context 64 --adapters 16 \
+        --ranks 8/16/32/64                   # a decode step of one row in a rank-64 pool
     python bench/profile_step.py --smoke     # tiny shapes on the CPU (no kernels traced)
 """
 
@@ -129,6 +132,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=224, help="tokens a prefill chunk (default 224)")
     p.add_argument("--context", type=int, default=600, help="mean decode context (default 600)")
     p.add_argument("--adapters", type=int, default=8, help="distinct adapters (default 8)")
+    p.add_argument(
+        "--ranks",
+        default="16",
+        help="the adapters' ranks, cycled over them, e.g. 8/16/32/64 (the pool's max_rank is "
+        "the largest; default 16)",
+    )
     p.add_argument("--side-stream-rows", type=int, default=None, help="ops.DELTA_MAX_ROWS")
     p.add_argument(
         "--eager",
@@ -138,6 +147,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
+    parts = args.ranks.split("/")
+    if not all(r.isascii() and r.isdigit() and int(r) > 0 for r in parts):
+        p.error(f"--ranks must be positive integers separated by '/', got {args.ranks!r}")
+    ranks = [int(r) for r in parts]
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -161,7 +174,7 @@ def main() -> None:
         weights = dict(LlamaForCausalLM(hf_config).to(torch.bfloat16).state_dict())
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
-        bench_decode.write_adapter(work / name, shapes, 16, seed=i)
+        bench_decode.write_adapter(work / name, shapes, ranks[i % len(ranks)], seed=i)
     pipe = LlamaPipeline(
         str(work / "base"),
         dtype=torch.bfloat16,
@@ -170,7 +183,7 @@ def main() -> None:
         max_seq_len=2 * args.context + args.tokens,
         max_num_batched_tokens=args.tokens,
         weights=weights,
-        lora=LoRAConfig(max_slots=max(1, args.adapters), max_rank=16),
+        lora=LoRAConfig(max_slots=max(1, args.adapters), max_rank=max(ranks)),
     )
     del weights
     for name in names:
@@ -187,7 +200,8 @@ def main() -> None:
     kinds = ["gemm", "lora", "attention", "other"]
     print(
         f"\nstep of {args.tokens} tokens: {args.decodes} decodes (mean context {args.context}) "
-        f"+ prefill chunks of {args.chunk}; {args.adapters} adapters; {device}\n"
+        f"+ prefill chunks of {args.chunk}; {args.adapters} adapters of ranks {args.ranks}; "
+        f"{device}\n"
     )
     print("| run | step ms | " + " | ".join(f"{k} ms" for k in kinds) + " |")
     print("|---|---:|" + "---:|" * len(kinds))

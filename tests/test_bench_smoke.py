@@ -22,13 +22,15 @@ WRITES_JSON = {
     "serve.py",
     "serve_load.py",
 }
-# decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline)
+# decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline);
+# profile_step.py's mixed ranks
 EXTRA = {
     "decode.py": [
         "--variants",
         "now",
         "v:ranks=4/8,fused_silu=0,overwrite=0,fused_delta=0,k_steps=2,slot_ranks=0",
-    ]
+    ],
+    "profile_step.py": ["--ranks", "4/8"],  # adapters of two ranks in a pool of the larger
 }
 
 
