@@ -136,6 +136,14 @@ def launch(
         if launchable(compiled):
             _COMPILED[key] = compiled
         return
+    relaunch(compiled, grid, index, args, values)
+
+
+def relaunch(compiled: Any, grid: tuple[int, ...], index: int, args: tuple, values: tuple) -> None:
+    """Launch ``compiled`` (a ``CompiledKernel`` that :func:`launchable` accepts) again on the
+    current stream of CUDA device ``index``, through its own launcher: ``args`` the
+    non-constexpr arguments, ``values`` the constexprs in the kernel's order. The caller
+    vouches that Triton would pick this binary for these arguments."""
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(index)

@@ -129,6 +129,14 @@ if HAVE_TRITON:
             return slot * 0 + R
 
     @triton.jit
+    def _live_block(pid_n, rank, R: tl.constexpr, SR: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Whether shrink column block ``pid_n`` (of ``BLOCK_N`` of the ``S*R`` columns)
+        holds a column below the slot's ``rank`` in its slice (else all its A rows are zero:
+        the block is skipped)."""
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
+
+    @triton.jit
     def _shrink_tile(
         x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K, k_per_split,
         stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
@@ -204,9 +212,7 @@ if HAVE_TRITON:
             pid_k = item % SPLIT_K
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            live = tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
-            if (row0 < hi) & live:
+            if (row0 < hi) & _live_block(pid_n, rank, R, SR, BLOCK_N):
                 _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
                              k_per_split,
                              stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
@@ -358,9 +364,7 @@ if HAVE_TRITON:
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if (row0 < hi) & (slot > 0):
                 rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
-                cols = pid_n * SHRINK_N + tl.arange(0, SHRINK_N)
-                live = tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
-                if live:
+                if _live_block(pid_n, rank, R, SR, SHRINK_N):
                     _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
                                  k_per_split,
                                  stride_xm, stride_xk, stride_as, stride_aj, stride_ak,

@@ -55,6 +55,17 @@ def _require_triton() -> None:
         )
 
 
+def _f32_operands(x: Tensor, a: Tensor) -> bool:
+    """Whether the shrink's ``tl.dot`` takes float32 tiles (exact fp32 products): fp32 or
+    mixed operands; and bf16 under the interpreter, which runs ``tl.dot`` through numpy (no
+    bfloat16: it would multiply the raw uint16 bits). Compiled bf16 tiles use bf16 MMA."""
+    return (
+        x.dtype != a.dtype
+        or x.dtype == torch.float32
+        or (x.dtype == torch.bfloat16 and interpreted())
+    )
+
+
 def _opt(t: Tensor | None) -> tuple[Tensor, ...]:
     return () if t is None else (t,)
 
@@ -123,14 +134,7 @@ def launch_shrink(
     assert k_a == k and h.shape == (sr // max_rank, n, max_rank) and h.dtype == torch.float32
     _check_devices(x, a, h, lora_ids, grouped_offsets, end, *_opt(ranks))
     cfg = config or shrink_config(n, k, sr, x.element_size(), device_sms(x.device))
-    # fp32 operands (or mixed dtypes): exact fp32 products. Triton's CPU interpreter runs
-    # tl.dot through numpy, which has no bfloat16 (it multiplies the raw uint16 bits), so
-    # there bf16 tiles are upcast before the dot; compiled kernels use bf16 MMA.
-    f32 = (
-        x.dtype != a.dtype
-        or x.dtype == torch.float32
-        or (x.dtype == torch.bfloat16 and interpreted())
-    )
+    f32 = _f32_operands(x, a)
     n_items = num_tiles(n, g, cfg.block_m) * cdiv(sr, cfg.block_n) * cfg.split_k
     grid = (min(n_items, cfg.max_programs) if cfg.max_programs else n_items,)
     with _device_guard(x):
@@ -268,9 +272,6 @@ class _DeltaPlan:
     compiled: dict[tuple[bool, ...], Any] = field(default_factory=dict)
 
 
-_DELTA_PLANS: dict[tuple, _DeltaPlan | None] = {}
-
-
 def _delta_plan(
     y: Tensor, x: Tensor, a: Tensor, b: Tensor, out_slices: tuple[int, ...], lora_ids: Tensor,
     grouped_offsets: Tensor, end: Tensor, max_rank: int, overwrite: bool, ranks: Tensor | None,
@@ -325,11 +326,7 @@ def _delta_plan(
     per_item = _run_length(tiles, n_blocks, x.device)
     n_shrink = tiles * cdiv(sr, scfg.block_n) * scfg.split_k
     n_expand = tiles * cdiv(n_blocks, per_item)
-    f32 = (
-        x.dtype != a.dtype
-        or x.dtype == torch.float32
-        or (x.dtype == torch.bfloat16 and interpreted())
-    )
+    f32 = _f32_operands(x, a)
     # fmt: off
     ints = (
         n, k, g, num_slots, scfg.k_per_split, n_shrink, n_expand,
@@ -376,9 +373,9 @@ def launch_delta(
     their row tile's shrink items (``_delta_kernel``), and ``h`` lives in the stream's
     zero workspace, so no memset and one launch instead of three.
 
-    An eager call is bound by its host time, so the launch of each call signature (shapes,
-    strides, dtypes, devices) is worked out once and kept, with the compiled kernel it
-    launches (:class:`_DeltaPlan`).
+    An eager call is bound by its host time, so a caller that passes ``plans`` has the
+    launch of each of its call signatures worked out once and kept there, with the compiled
+    kernel it launches (:class:`_DeltaPlan`).
 
     Args:
         y: ``[N, sum(out_slices)]``: ``y[t, slice_s] += h[s, t] @ b[slot(t), slice_s].T``
@@ -390,33 +387,41 @@ def launch_delta(
         plans: the caller's own cache of launches, for a caller that passes the same ``a``,
             ``b`` and ``ranks`` tensors every call, and routing tensors that are always
             views of one layout (a LoRA layer, with its :class:`RoutingBuffer`): its calls
-            are then told apart by ``x``, ``y`` and the number of groups alone, which costs
-            less host time. None: a cache shared by every call, keyed on every tensor's
-            shape, strides, dtype and device.
+            are then told apart by ``x``, ``y``, the number of groups and whether
+            ``ranks`` is given, which costs less host time. None: the launch is worked out
+            for this call.
 
     Raises:
         ValueError: for more than 64 rows, shapes that disagree (named in the message), a
             non-floating ``y``, or tensors on different devices.
     """
     _require_triton()
-    if plans is None:
-        plans = _DELTA_PLANS
-        key: tuple = (
-            x.shape, x.stride(), x.dtype, x.device, y.shape, y.stride(), y.dtype, y.device,
-            a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            lora_ids.shape, lora_ids.dtype, lora_ids.device, grouped_offsets.shape,
-            grouped_offsets.dtype, grouped_offsets.device, end.dtype, end.device,
-            None if ranks is None else (ranks.dtype, ranks.device),
-            tuple(out_slices), max_rank, overwrite, DELTA_K_STEPS,
+    if plans is None:  # worked out for this call, launched through fast_launch's own cache
+        plan = _delta_plan(
+            y, x, a, b, tuple(out_slices), lora_ids, grouped_offsets, end, max_rank, overwrite,
+            ranks,
         )  # fmt: skip
-        varying = None  # every tensor's alignment is checked
-    else:  # the caller's own cache: only x, y and the number of groups change
-        key = (
-            x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype,
-            y.get_device(), lora_ids.shape, lora_ids.dtype, ranks is None, overwrite,
-            DELTA_K_STEPS,
-        )  # fmt: skip
-        varying = (x, y)
+        if plan is None:
+            return
+        count, h = _workspace(x.device, plan.h_numel)
+        tensors = _delta_tensors(x, a, h, y, b, count, lora_ids, grouped_offsets, end, ranks)
+        with _device_guard(x):
+            fast_launch.launch(
+                _delta_kernel,
+                plan.grid,
+                (*tensors, *plan.ints),
+                plan.constexprs,
+                num_warps=plan.num_warps,
+                num_stages=plan.num_stages,
+                device=x.device,
+            )
+        return
+    # the caller's own cache: only x, y, the number of groups and ranks' presence change
+    key = (
+        x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype,
+        y.get_device(), lora_ids.shape, lora_ids.dtype, ranks is None, overwrite,
+        DELTA_K_STEPS,
+    )  # fmt: skip
     try:
         plan = plans[key]
     except KeyError:
@@ -427,25 +432,22 @@ def launch_delta(
     if plan is None:
         return
     count, h = _workspace(x.device, plan.h_numel)
-    tensors = (x, a, h, y, b, count, lora_ids, grouped_offsets, end,
-               lora_ids if ranks is None else ranks)  # fmt: skip
+    tensors = _delta_tensors(x, a, h, y, b, count, lora_ids, grouped_offsets, end, ranks)
     with _device_guard(x):
         if x.is_cuda and fast_launch.enabled():
-            align = tuple(t.data_ptr() % 16 == 0 for t in (varying or tensors))
+            # the other tensors are the same every call (workspaces are fresh allocations):
+            # only x's and y's alignment can change which binary Triton would pick
+            align = (x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0)
             compiled = plan.compiled.get(align)
             if compiled is not None:
-                compiled.run(
-                    plan.grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(x.get_device()),
-                    compiled.function, compiled.packed_metadata, None, None, None,
-                    *tensors, *plan.ints, *plan.values,
-                )  # fmt: skip
+                fast_launch.relaunch(
+                    compiled, plan.grid, x.get_device(), (*tensors, *plan.ints), plan.values
+                )
                 return
             compiled = _delta_kernel[plan.grid](
                 *tensors, *plan.ints, **plan.constexprs, num_warps=plan.num_warps,
                 num_stages=plan.num_stages,
             )  # fmt: skip
-            # (with the caller's cache, the other tensors' alignment is that of this call's:
-            # they are the same tensors every call, and workspaces are fresh allocations)
             if plan.values and fast_launch.launchable(compiled):
                 plan.compiled[align] = compiled
             return
@@ -453,6 +455,13 @@ def launch_delta(
             *tensors, *plan.ints, **plan.constexprs, num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )  # fmt: skip
+
+
+def _delta_tensors(x, a, h, y, b, count, lora_ids, grouped_offsets, end, ranks) -> tuple:
+    """``_delta_kernel``'s tensor arguments, in its order (without a rank table, any int
+    tensor in its place: the kernel does not read it)."""
+    return (x, a, h, y, b, count, lora_ids, grouped_offsets, end,
+            lora_ids if ranks is None else ranks)  # fmt: skip
 
 
 def launch_expand_silu_mul(
@@ -628,11 +637,11 @@ def linear_delta(
         if DELTA_FUSED and overwrite and n <= 64:
             launch_delta(d, x, a, b, tuple(out_slices), *routing, max_rank, overwrite=True,
                          ranks=ranks)  # fmt: skip
-        elif not overwrite:
-            buf.zero_()
-        elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the shrink
-            h.zero_()  # skips are rows the expand does not read
-        if not (DELTA_FUSED and overwrite and n <= 64):
+        else:
+            if not overwrite:
+                buf.zero_()
+            elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the
+                h.zero_()  # shrink skips are rows the expand does not read
             launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
             launch_expand(d, h, b, tuple(out_slices), *routing, overwrite=overwrite, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
