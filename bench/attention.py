@@ -53,6 +53,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hbm-bytes", type=float, default=512e6, help="KV bytes one replay reads")
     p.add_argument("--max-layers", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also time split / tile variants")
+    p.add_argument(
+        "--mixed-contexts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode at these mean contexts, mixed lengths each (default: mixed 1k and fixed 4k)",
+    )
+    p.add_argument("--skip-prefill", action="store_true", help="decode cases only")
     return p.parse_args()
 
 
@@ -236,8 +244,11 @@ def main() -> None:
         print("# Triton unavailable here: timing the torch reference", flush=True)
     sms = TA.device_sms(device)
     rows, sweep = [], []
+    contexts = list(zip(shape["contexts"], (True, False), strict=True))
+    if ARGS.mixed_contexts:
+        contexts = [(c, True) for c in ARGS.mixed_contexts]
     for batch in ARGS.decode or shape["decode"]:
-        for ctx, mixed in zip(shape["contexts"], (True, False), strict=True):
+        for ctx, mixed in contexts:
             seqs = decode_seqs(batch, ctx, mixed, seed=batch)
             per_layer = Bed(seqs, shape, 0, dtype, device).kv_bytes
             layers = 2 if ARGS.smoke else math.ceil(ARGS.hbm_bytes / per_layer)
@@ -271,6 +282,13 @@ def main() -> None:
             if ARGS.sweep and triton_ok:
                 sweep += sweep_decode(bed, shape, row, device, reps)
             del bed
+    hq, d = shape["kv_heads"] * shape["groups"], shape["head_dim"]
+    if not ARGS.skip_prefill:
+        prefill_case(shape, dtype, device, op, reps, rows, sweep)
+    print_tables(rows, sweep, copy_bw, read_bw, name, shape, hq, d, dtype)
+
+
+def prefill_case(shape, dtype, device, op, reps, rows, sweep) -> None:
     n_seqs, q_len = shape["prefill"]
     bed = Bed([(q_len, q_len)] * n_seqs, shape, 1, dtype, device)
     t, how = time_fn(bed.step(op), device, reps)
@@ -286,9 +304,11 @@ def main() -> None:
     rows.append(row)
     print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)  # fmt: skip
-    if ARGS.sweep and triton_ok:
+    if ARGS.sweep and TA.HAVE_TRITON and (device.type == "cuda" or TA.interpreted()):
         sweep += sweep_prefill(bed, shape, row, device, reps)
 
+
+def print_tables(rows, sweep, copy_bw, read_bw, name, shape, hq, d, dtype) -> None:
     print()
     print(
         f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, read {read_bw / 1e9:.0f} GB/s ({name}; "
@@ -338,18 +358,19 @@ def forced(cfg: TA.AttentionConfig):
 
 
 def sweep_decode(bed: Bed, shape: dict, row: dict, device, reps: int) -> list[dict]:
-    """Splits x BLOCK_N x warps at one decode case."""
+    """Splits x BLOCK_N x warps x stages at one decode case."""
     out = []
     groups = shape["groups"]
     for splits in (1, 2) if ARGS.smoke else (1, 2, 4, 8, 16, 32):
-        for block_n in (16,) if ARGS.smoke else (64, 128):
-            for warps in (4,) if ARGS.smoke else (4, 8):
-                cfg = TA.make_config(groups, block_q=max(1, 16 // groups), block_n=block_n,
-                                     splits=splits, num_warps=warps)  # fmt: skip
-                t, _ = time_fn(bed.step(forced(cfg)), device, reps)
-                out.append(dict(phase="decode", batch=row["batch"], context=row["context"],
-                                config=f"splits {splits} BN {block_n} w{warps}",
-                                us=t / bed.layers * 1e6, default_us=row["us"]))  # fmt: skip
+        for block_n in (16,) if ARGS.smoke else (32, 64, 128):
+            for warps in (4,):  # 2 and 8 never fastest (sessions 4 and 10)
+                for stages in (2,) if ARGS.smoke else (1, 2):
+                    cfg = TA.make_config(groups, block_q=max(1, 16 // groups), block_n=block_n,
+                                         splits=splits, num_warps=warps, num_stages=stages)  # fmt: skip
+                    t, _ = time_fn(bed.step(forced(cfg)), device, reps)
+                    out.append(dict(phase="decode", batch=row["batch"], context=row["context"],
+                                    config=f"splits {splits} BN {block_n} w{warps} s{stages}",
+                                    us=t / bed.layers * 1e6, default_us=row["us"]))  # fmt: skip
     return out
 
 

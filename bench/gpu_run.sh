@@ -12,6 +12,7 @@
 #                                   (VARIANTS, default: the code's defaults against session 7's path,
 #                                   ranks 8/16/32/64 mixed in a rank-64 pool, with and without slot ranks)
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
+#   bash bench/gpu_run.sh profbase  bench/profile_step.py listing every kernel of decode steps (1 and 64 rows)
 #   bash bench/gpu_run.sh profmixed bench/profile_step.py on decode steps of 1 and 64 rows, ranks 8/16/32/64
 #                                   in a rank-64 pool, then rank 16 alone (where a rank-64 pool's cost goes)
 #   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
@@ -64,6 +65,11 @@ for stage in "$@"; do
     profdecode)
       python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 16 2>&1 \
         | tee "$OUT/profile_decode.log" | grep -v Warning | tail -30 ;;
+    profbase)  # every kernel of a decode step, by time: 1 and 64 rows at context 64, 64 rows at 1024
+      for cfg in "1 64" "64 64" "64 1024"; do set -- $cfg
+        python3 bench/profile_step.py --tokens $1 --decodes $1 --context $2 --adapters 16 --kernels 40 2>&1 \
+          | tee "$OUT/profile_base_${1}_${2}.log" | grep -v Warning | tail -95
+      done ;;
     profmixed)
       for tok in 1 64; do for r in 8/16/32/64 16; do
         python3 bench/profile_step.py --tokens $tok --decodes $tok --context 64 --adapters 16 --ranks $r 2>&1 \

@@ -83,9 +83,11 @@ def step_chunks(pipe, args, names, vocab):
     return chunks
 
 
-def profile(pipe, chunks, reps: int) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
-    """Median ms of the step (replay), kernel ms per replay by kind, and the ten kernels
-    that took longest (name, ms per replay)."""
+def profile(
+    pipe, chunks, reps: int, top_n: int = 10
+) -> tuple[float, dict[str, float], list[tuple[str, float, float]]]:
+    """Median ms of the step (replay), kernel ms per replay by kind, and the ``top_n``
+    kernels that took longest (name, ms per replay, launches per replay)."""
     inputs = pipe.prepare(chunks)
     for _ in range(3):
         pipe.execute(inputs)
@@ -104,7 +106,7 @@ def profile(pipe, chunks, reps: int) -> tuple[float, dict[str, float], list[tupl
             pipe.execute(inputs)
             times.append((time.perf_counter() - t0) * 1e3)
     by_kind: dict[str, float] = defaultdict(float)
-    top: list[tuple[str, float]] = []
+    top: list[tuple[str, float, float]] = []
     if pipe.device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -118,8 +120,8 @@ def profile(pipe, chunks, reps: int) -> tuple[float, dict[str, float], list[tupl
                 device_us = getattr(evt, "cuda_time_total", 0.0)
             if device_us:
                 by_kind[kind(evt.key)] += device_us / 1e3 / reps
-                top.append((evt.key[:90], device_us / 1e3 / reps))
-    top = sorted(top, key=lambda kv: -kv[1])[:10]
+                top.append((evt.key[:90], device_us / 1e3 / reps, evt.count / reps))
+    top = sorted(top, key=lambda kv: -kv[1])[:top_n]
     return statistics.median(times), dict(by_kind), top
 
 
@@ -143,6 +145,13 @@ def main() -> None:
         "--eager",
         action="store_true",
         help="no capture (kernel times stay valid where the profiler cannot trace graphs)",
+    )
+    p.add_argument(
+        "--kernels",
+        type=int,
+        default=10,
+        help="list this many of the longest kernels a run (name, ms and launches a step; "
+        "default 10)",
     )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
@@ -194,7 +203,7 @@ def main() -> None:
     rows = {}
     for label, adapters in (("lora mixed", names), ("base only", [])):
         chunks = step_chunks(pipe, args, adapters, shapes["vocab_size"])
-        rows[label] = profile(pipe, chunks, args.reps)
+        rows[label] = profile(pipe, chunks, args.reps, args.kernels)
         for c in chunks:
             pipe.pages.free(c.pages)
     kinds = ["gemm", "lora", "attention", "other"]
@@ -210,9 +219,9 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
     for label, (_, _, top) in rows.items():
         if top:
-            print(f"\nlongest kernels, {label} (ms a step):")
-            for name, ms in top:
-                print(f"  {ms:8.3f}  [{kind(name)}] {name}")
+            print(f"\nlongest kernels, {label} (ms a step, launches a step):")
+            for name, ms, count in top:
+                print(f"  {ms:8.3f} {count:6.1f}  [{kind(name)}] {name}")
     assert pipe.graphs is None or pipe.graphs.recompiles == 0
 
 

@@ -67,6 +67,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
 
 
+def residual_add(x: Tensor, y: Tensor) -> Tensor:
+    """``x + y`` for a residual stream ``x`` and a linear's output ``y`` (same shape and
+    dtype), bit for bit: a half-precision add is computed in float32 and rounded once, as
+    PyTorch's own. Written as that float32 add so that ``torch.compile`` on a GPU does not
+    lower ``x + mm(...)`` to ``addmm``, whose cuBLAS call first copies ``x`` into its output
+    (a device copy a layer, twice, in the captured decode step); the add then fuses into the
+    next norm's kernel instead."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return (x.float() + y.float()).to(x.dtype)
+    return x + y
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang and Sennrich 2019) as Llama's: normalised in float32, cast back to
     the input's dtype, then times ``weight`` ``[dim]``.
@@ -262,6 +274,7 @@ __all__ = [
     "RMSNorm",
     "apply_rope",
     "fuse_checkpoint",
+    "residual_add",
     "rope_inv_freq",
     "rope_tables",
 ]

@@ -31,6 +31,7 @@ from lora_graph.models.blocks import (
     PagedKVCache,
     RMSNorm,
     fuse_checkpoint,
+    residual_add,
     rope_tables,
 )
 from lora_graph.pipeline import PipelineModelWithKVCache
@@ -195,8 +196,8 @@ class DecoderLayer(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
         routing: Routing | None,
     ) -> Tensor:  # fmt: skip
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, routing)
-        return x + self.mlp(self.post_attention_layernorm(x), routing)
+        x = residual_add(x, self.self_attn(self.input_layernorm(x), cos, sin, attn, routing))
+        return residual_add(x, self.mlp(self.post_attention_layernorm(x), routing))
 
 
 class LlamaModel(nn.Module):

@@ -191,3 +191,21 @@ def test_a_model_without_tokenizer_files_is_said_so(tiny_factory, capsys):
     t = tiny_factory("qwen3")
     assert main(["generate", "--model", str(t.base), "--prompt", "hello", "--device", "cpu"]) == 2
     assert "the model has no tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_residual_add_is_the_plain_add_bit_for_bit(dtype):
+    """The decoder's residual add, written as a float32 add so torch.compile keeps it out of
+    addmm, equals ``x + y`` exactly: magnitudes far apart (rounding), overflow to inf in
+    fp16, signed zeros and NaN."""
+    from lora_graph.models.blocks import residual_add
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, generator=g) * 300).to(dtype)
+    y = (torch.randn(4096, generator=g) * torch.logspace(-6, 2, 4096)).to(dtype)
+    x[:4] = torch.tensor([65504.0, -0.0, float("nan"), 1.0]).to(dtype)
+    y[:4] = torch.tensor([65504.0, -0.0, 1.0, -1.0]).to(dtype)
+    got, want = residual_add(x, y), x + y
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))

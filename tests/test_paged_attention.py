@@ -327,11 +327,32 @@ def test_triton_block_boundaries(window, splits):
 @interp
 @pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("splits", [3, 4])
-def test_triton_split_kv(splits, window):
-    """Decode rows only, keys split over ``splits`` programs (some get no key) and combined."""
+def test_triton_split_kv(splits, window, monkeypatch):
+    """Decode rows only, keys split over ``splits`` programs (some get no key) and combined.
+    The output of a split launch is not zeroed first (the reduction writes every row): it is
+    made NaN here, and the rows of no sequence must still come out 0."""
     seqs = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 18)]
     step = make_step(seqs, groups=4, window=window, page_size=16, seed=splits)
     cfg = TA.make_config(4, block_q=4, block_n=16, splits=splits)
+    empty_like, empty = torch.empty_like, torch.empty
+    monkeypatch.setattr(torch, "empty_like", lambda t: empty_like(t).fill_(float("nan")))
+    # the partials too: a split with no key writes only its max, and nothing else of it is read
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    check(TA.paged_attention(*step.args, config=cfg), step, ATOL[torch.float32])
+
+
+@interp
+@pytest.mark.parametrize("vector_max", [0, 256])
+def test_triton_sequence_lookup(vector_max, monkeypatch):
+    """A program finds its sequence by one vector load of the query starts (up to
+    ``SEQS_VECTOR_MAX`` sequences) or by binary search: both, on a mixed step with padding
+    sequences and on a split decode step."""
+    monkeypatch.setattr(TA, "SEQS_VECTOR_MAX", vector_max)
+    assert (TA.seqs_pad(8) > 0) == (vector_max > 0)
+    step = make_step(MIXED, groups=2, page_size=4, window=5, seed=21)
+    check(TA.paged_attention(*step.args), step, ATOL[torch.float32])
+    step = make_step([(1, 37), (1, 1), (0, 0), (1, 64), (1, 18)], groups=4, seed=22)
+    cfg = TA.make_config(4, block_q=4, block_n=16, splits=3)
     check(TA.paged_attention(*step.args, config=cfg), step, ATOL[torch.float32])
 
 

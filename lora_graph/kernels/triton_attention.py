@@ -70,19 +70,30 @@ except ImportError:  # pragma: no cover
 if HAVE_TRITON:
 
     @triton.jit
-    def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    def _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr,
+                  SEQS_PAD: tl.constexpr):
         """The last sequence ``s`` whose first tile ``query_start[s] // BLOCK_Q + s`` is at
-        or before ``tile`` (binary search; the starts are non-decreasing in ``s``)."""
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            start = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
-            if start <= tile:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
+        or before ``tile`` (the starts are non-decreasing in ``s``). With ``SEQS_PAD`` (a
+        power of two >= ``num_seqs``) every start is loaded at once and those at or before
+        ``tile`` counted: one load instead of a binary search's ``log2(num_seqs)`` dependent
+        loads (``SEQS_PAD`` 0: the binary search)."""
+        if SEQS_PAD > 0:
+            idx = tl.arange(0, SEQS_PAD)
+            ok = idx < num_seqs
+            first = tl.load(query_start_ptr + idx, mask=ok, other=0) // BLOCK_Q + idx
+            found = tl.sum(((first <= tile) & ok).to(tl.int32), axis=0) - 1
+        else:
+            lo = 0
+            hi = num_seqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                start = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+                if start <= tile:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            found = lo - 1
+        return found
 
     @triton.jit(do_not_specialize=["num_seqs", "n_rows", "window", "q_len_min", "q_len_max"])
     def _paged_attention_kernel(
@@ -93,7 +104,7 @@ if HAVE_TRITON:
         NUM_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, GROUPS: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CAST_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SEQS_PAD: tl.constexpr,
     ):
         """Semantics: ``out[t, h] = softmax_j(q[t, h] . k[j, h // GROUPS] * scale) v[j, ...]``
         over the keys row ``t`` may see, for the query tile ``program_id(0)``, the kv head
@@ -105,11 +116,12 @@ if HAVE_TRITON:
         q_len_max`` query rows are served (a mixed step runs one launch for its decode rows
         and one for its prefill chunks, each with its own tiles). With ``SPLITS > 1`` the
         partials go to ``part`` (float32 ``[SPLITS, n_rows, NUM_HEADS, D + 2]``: output, then
-        max and sum), else the normalised output to ``out``.
+        max and sum), else the normalised output to ``out``; a split that gets no key
+        writes only its max (``-inf``), and the reduction reads nothing else of it.
         """
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
-        s = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q)
+        s = _find_seq(query_start_ptr, num_seqs, tile, BLOCK_Q, SEQS_PAD)
         q_start = tl.load(query_start_ptr + s)
         q_len = tl.load(query_start_ptr + s + 1) - q_start
         q_tile0 = (tile - (q_start // BLOCK_Q + s)) * BLOCK_Q  # first token of the tile
@@ -125,11 +137,6 @@ if HAVE_TRITON:
         rows = (q_start + tok).to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
-        q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh
-                    + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        if CAST_F32:
-            q = q.to(tl.float32)
 
         # keys [lo, hi): up to the tile's last position; from the window of its first row.
         # Keys in [full_lo, first_pos] are visible to every row of the tile: blocks wholly
@@ -146,6 +153,17 @@ if HAVE_TRITON:
             per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), SPLITS) * BLOCK_N
             lo = lo + tl.program_id(2) * per_split
             hi = tl.minimum(hi, lo + per_split)
+            if lo >= hi:  # no key: the reduction skips this split by its max alone
+                part = (part_ptr
+                        + ((tl.program_id(2) * n_rows + rows) * NUM_HEADS + head) * (D + 2))
+                tl.store(part + D, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+                return
+
+        q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh
+                    + offs_d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if CAST_F32:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -203,19 +221,24 @@ if HAVE_TRITON:
     ):
         """Semantics: ``out[t, h] = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k`` over the
         splits ``k`` of row ``t = program_id(0)``, head ``h = program_id(1)``, ``M = max m_k``;
-        rows at or after ``query_start[num_seqs]`` are skipped (left 0)."""
+        rows at or after ``query_start[num_seqs]`` are written 0 (so ``out`` needs no memset
+        before a split launch)."""
         row = tl.program_id(0)
         head = tl.program_id(1)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < D
         if row >= tl.load(query_start_ptr + num_seqs):
+            tl.store(out_ptr + row.to(tl.int64) * stride_on + head * stride_oh
+                     + offs_d * stride_od, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty),
+                     mask=d_ok)
             return
         ks = tl.arange(0, SPLITS_PAD)
         k_ok = ks < SPLITS
-        offs_d = tl.arange(0, D_PAD)
-        d_ok = offs_d < D
         part = part_ptr + ((ks.to(tl.int64) * n_rows + row) * NUM_HEADS + head) * (D + 2)
         m = tl.load(part + D, mask=k_ok, other=float("-inf"))
-        l_k = tl.load(part + D + 1, mask=k_ok, other=0.0)
-        acc = tl.load(part[:, None] + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+        live = m > float("-inf")  # splits that saw a key (the others wrote their max only)
+        l_k = tl.load(part + D + 1, mask=live, other=0.0)
+        acc = tl.load(part[:, None] + offs_d[None, :], mask=live[:, None] & d_ok[None, :],
                       other=0.0)
         m_max = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
@@ -226,6 +249,14 @@ if HAVE_TRITON:
 
 _INTERPRETED = HAVE_TRITON and not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 _LOG2E = 1.0 / math.log(2.0)
+# a program finds its sequence with one vector load of the step's query starts up to this
+# many sequences, by binary search past it (:func:`_find_seq`)
+SEQS_VECTOR_MAX = 256
+
+
+def seqs_pad(s: int) -> int:
+    """``_find_seq``'s ``SEQS_PAD`` for a step of ``s`` sequences (0: binary search)."""
+    return max(16, next_pow2(s)) if s <= SEQS_VECTOR_MAX else 0
 
 
 def interpreted() -> bool:
@@ -359,8 +390,9 @@ def paged_attention(
     The launches follow :func:`attention_plan` (one for a decode step, plus the split-KV
     reduction when split; two for a step that may mix decodes and prefill chunks);
     ``config`` forces one launch with those tiles. The output is allocated with
-    ``torch.zeros`` (rows of no sequence stay 0), the split-KV partials with ``torch.empty``;
-    nothing is read back to the host.
+    ``torch.zeros`` (rows of no sequence stay 0), or with ``torch.empty`` for a split launch
+    (its reduction writes every row, 0 past the step's); the split-KV partials with
+    ``torch.empty``; nothing is read back to the host.
 
     Raises:
         RuntimeError: without Triton.
@@ -373,9 +405,8 @@ def paged_attention(
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     s = block_tables.shape[0]
     groups = hq // hkv
-    out = torch.zeros_like(q)
     if n == 0 or s == 0:
-        return out
+        return torch.zeros_like(q)
     if config is not None:
         plan: tuple[tuple[AttentionConfig, int, int], ...] = ((config, 0, 1 << 30),)
     else:
@@ -392,6 +423,9 @@ def paged_attention(
     # fp32: near-fp32 products (tf32x3); the interpreter runs tl.dot through numpy, which has
     # no bfloat16, so there 16-bit tiles are upcast first; compiled kernels use bf16/fp16 MMA
     cast_f32 = q.dtype != torch.float32 and _INTERPRETED
+    # a split launch's reduction writes every row (0 past the step's rows): no memset then
+    split = len(plan) == 1 and plan[0][0].splits > 1
+    out = torch.empty_like(q) if split else torch.zeros_like(q)
     for cfg, q_len_min, q_len_max in plan:
         assert cfg.block_m >= max(16, cfg.block_q * groups), cfg
         splits = cfg.splits
@@ -412,7 +446,8 @@ def paged_attention(
                 PAGE_SIZE=page_size, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, SPLITS=splits, CAST_F32=cast_f32,
                 DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-                HAS_SOFTCAP=softcap > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                HAS_SOFTCAP=softcap > 0, SEQS_PAD=seqs_pad(s),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
             if splits > 1:
                 _reduce_splits_kernel[(n, hq)](
