@@ -365,8 +365,10 @@ def sweep_decode(bed: Bed, shape: dict, row: dict, device, reps: int) -> list[di
         for block_n in (16,) if ARGS.smoke else (32, 64, 128):
             for warps in (4,):  # 2 and 8 never fastest (sessions 4 and 10)
                 for stages in (2,) if ARGS.smoke else (1, 2):
-                    cfg = TA.make_config(groups, block_q=max(1, 16 // groups), block_n=block_n,
-                                         splits=splits, num_warps=warps, num_stages=stages)  # fmt: skip
+                    cfg = TA.make_config(
+                        groups, block_q=max(1, 16 // groups), block_n=block_n, splits=splits,
+                        num_warps=warps, num_stages=stages,
+                    )  # fmt: skip
                     t, _ = time_fn(bed.step(forced(cfg)), device, reps)
                     out.append(dict(phase="decode", batch=row["batch"], context=row["context"],
                                     config=f"splits {splits} BN {block_n} w{warps} s{stages}",

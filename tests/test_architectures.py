@@ -207,5 +207,7 @@ def test_residual_add_is_the_plain_add_bit_for_bit(dtype):
     y[:4] = torch.tensor([65504.0, -0.0, 1.0, -1.0]).to(dtype)
     got, want = residual_add(x, y), x + y
     assert got.dtype == dtype
-    assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
