@@ -328,10 +328,11 @@ def test_triton_block_boundaries(window, splits):
 @pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("splits", [3, 4])
 def test_triton_split_kv(splits, window, monkeypatch):
-    """Decode rows only, keys split over ``splits`` programs (some get no key) and combined.
-    The output of a split launch is not zeroed first (the reduction writes every row): it is
+    """Decode rows only, keys split over ``splits`` programs (some get no key) and combined;
+    contexts of one 16-key block (1, 9, 16) served by split 0 alone, written directly. The
+    output of a split launch is not zeroed first (the reduction writes every row): it is
     made NaN here, and the rows of no sequence must still come out 0."""
-    seqs = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 18)]
+    seqs = [(1, 37), (1, 1), (0, 0), (1, 64), (1, 18), (1, 16), (1, 9)]
     step = make_step(seqs, groups=4, window=window, page_size=16, seed=splits)
     cfg = TA.make_config(4, block_q=4, block_n=16, splits=splits)
     empty_like, empty = torch.empty_like, torch.empty

@@ -116,8 +116,10 @@ if HAVE_TRITON:
         q_len_max`` query rows are served (a mixed step runs one launch for its decode rows
         and one for its prefill chunks, each with its own tiles). With ``SPLITS > 1`` the
         partials go to ``part`` (float32 ``[SPLITS, n_rows, NUM_HEADS, D + 2]``: output, then
-        max and sum), else the normalised output to ``out``; a split that gets no key
-        writes only its max (``-inf``), and the reduction reads nothing else of it.
+        max and sum), else the normalised output to ``out``. A split that gets no key
+        writes only its max (``-inf``), and the reduction reads nothing else of it; a tile
+        whose keys fit one block (a short context) is served by split 0 alone, which writes
+        the normalised output itself and ``-inf`` as its max, so the reduction skips the row.
         """
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -149,14 +151,19 @@ if HAVE_TRITON:
             lo = tl.maximum(first_pos - window + 1, 0)
             full_lo = hi - window  # the last row's window starts here
         lo = (lo // BLOCK_N) * BLOCK_N
+        direct = True  # this program writes the normalised output itself
+        part = part_ptr + ((tl.program_id(2) * n_rows + rows) * NUM_HEADS + head) * (D + 2)
         if SPLITS > 1:
-            per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), SPLITS) * BLOCK_N
+            blocks = tl.cdiv(hi - lo, BLOCK_N)
+            per_split = tl.cdiv(blocks, SPLITS) * BLOCK_N
+            direct = blocks <= 1  # one block of keys: split 0 has them all
             lo = lo + tl.program_id(2) * per_split
             hi = tl.minimum(hi, lo + per_split)
-            if lo >= hi:  # no key: the reduction skips this split by its max alone
-                part = (part_ptr
-                        + ((tl.program_id(2) * n_rows + rows) * NUM_HEADS + head) * (D + 2))
+            if (lo >= hi) | direct:
+                # no partials: the reduction skips a split whose max is -inf, and a row
+                # whose every max is -inf (its keys fit one block: written here)
                 tl.store(part + D, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            if lo >= hi:
                 return
 
         q = tl.load(q_ptr + rows[:, None] * stride_qn + head[:, None] * stride_qh
@@ -202,13 +209,12 @@ if HAVE_TRITON:
             m_i = m_new
 
         mask = row_ok[:, None] & d_ok[None, :]
-        if SPLITS == 1:
+        if direct:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + rows[:, None] * stride_on + head[:, None] * stride_oh
                      + offs_d[None, :] * stride_od,
                      out.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            part = (part_ptr + ((tl.program_id(2) * n_rows + rows) * NUM_HEADS + head) * (D + 2))
             tl.store(part[:, None] + offs_d[None, :], acc, mask=mask)
             tl.store(part + D, m_i, mask=row_ok)
             tl.store(part + D + 1, l_i, mask=row_ok)
@@ -222,7 +228,8 @@ if HAVE_TRITON:
         """Semantics: ``out[t, h] = sum_k 2^(m_k - M) acc_k / sum_k 2^(m_k - M) l_k`` over the
         splits ``k`` of row ``t = program_id(0)``, head ``h = program_id(1)``, ``M = max m_k``;
         rows at or after ``query_start[num_seqs]`` are written 0 (so ``out`` needs no memset
-        before a split launch)."""
+        before a split launch); a row whose every ``m_k`` is ``-inf`` was written by the
+        attention kernel (its keys fit one block) and is left alone."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs_d = tl.arange(0, D_PAD)
@@ -236,11 +243,13 @@ if HAVE_TRITON:
         k_ok = ks < SPLITS
         part = part_ptr + ((ks.to(tl.int64) * n_rows + row) * NUM_HEADS + head) * (D + 2)
         m = tl.load(part + D, mask=k_ok, other=float("-inf"))
+        m_max = tl.max(m, axis=0)
+        if m_max == float("-inf"):  # keys in one block: the attention kernel wrote the row
+            return
         live = m > float("-inf")  # splits that saw a key (the others wrote their max only)
         l_k = tl.load(part + D + 1, mask=live, other=0.0)
         acc = tl.load(part[:, None] + offs_d[None, :], mask=live[:, None] & d_ok[None, :],
                       other=0.0)
-        m_max = tl.max(m, axis=0)
         w = tl.where(m == float("-inf"), 0.0, tl.math.exp2(m - m_max))
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_k * w, axis=0)
         tl.store(out_ptr + row.to(tl.int64) * stride_on + head * stride_oh + offs_d * stride_od,
