@@ -155,6 +155,138 @@ def paged_attention_reference(
     return out
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    """``[-x2, x1]`` of ``x = [x1, x2]`` split in halves along the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE (Su et al. 2021, "RoFormer") on ``x`` ``[T, heads, head_dim]`` with ``cos`` /
+    ``sin`` ``[T, 1, rotary_dim]``: the first ``rotary_dim`` dims rotate, the rest pass
+    through (transformers' ``apply_rotary_pos_emb`` with a partial rotary factor)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
+
+
+def check_rope_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slot_mapping: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> None:
+    """:func:`rope_kv_write`'s shape, dtype and device checks (no host sync).
+
+    Raises:
+        ValueError: naming the first argument that does not fit.
+    """
+    if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be [T, Hq, D] float32/bfloat16/float16, got {q.dtype} {q.shape}")
+    t, _, d = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != 3 or x.shape[0] != t or x.shape[2] != d or x.dtype != q.dtype:
+            raise ValueError(f"{name} must be [{t}, Hkv, {d}] {q.dtype}, got {x.dtype} {x.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dim() != 2 or c.shape[0] != t or c.shape[1] % 2 or not 0 < c.shape[1] <= d:
+            raise ValueError(
+                f"{name} must be [{t}, rotary_dim] with an even rotary_dim <= {d}, got "
+                f"{tuple(c.shape)}"
+            )
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"cos {cos.dtype} {tuple(cos.shape)} and sin {sin.dtype} differ")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be [{t}] int64, got {slot_mapping.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[1:] != k.shape[1:] or c.dtype != q.dtype:
+            raise ValueError(
+                f"{name} must be [slots, {k.shape[1]}, {d}] {q.dtype}, got {c.dtype} "
+                f"{tuple(c.shape)}"
+            )
+    tensors = (q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+    devices = {x.device for x in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must share one device, got {sorted(map(str, devices))}")
+
+
+def rope_kv_write_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slot_mapping: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> Tensor:
+    """:func:`rope_kv_write` in torch ops: :func:`apply_rope` on q and k, k and v stored
+    with one indexed store each (in ``q``'s dtype op by op, as in eager transformers)."""
+    cos, sin = cos[:, None], sin[:, None]
+    k_cache[slot_mapping] = apply_rope(k, cos, sin)
+    v_cache[slot_mapping] = v
+    return apply_rope(q, cos, sin).contiguous()
+
+
+@torch.library.custom_op("lora_graph::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slot_mapping: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> Tensor:
+    """RoPE on a step's queries and keys, and its keys and values written into the paged
+    KV cache: one op, so that on CUDA the three become one Triton kernel
+    (:func:`lora_graph.kernels.triton_attention.rope_kv_write`) where ``torch.compile``
+    made two or three of them a layer.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, in one float dtype (views of a fused
+            projection are fine).
+        cos, sin: ``[T, rotary_dim]`` each token's rotary tables (``rotary_dim`` even, at
+            most ``D``; the first ``rotary_dim`` dims rotate as ``rotate_half``, the rest
+            pass through).
+        slot_mapping: ``[T]`` int64, each token's flat cache position
+            (``page * page_size + offset``).
+        k_cache, v_cache: ``[slots, Hkv, D]`` flat caches, written at ``slot_mapping``.
+
+    Returns:
+        the rotated ``q``, ``[T, Hq, D]`` contiguous. On the CPU (the reference) each op
+        rounds to the dtype as eager transformers does; the Triton kernel rotates in float32
+        and rounds once, as ``torch.compile``'s fused kernel did.
+
+    Raises:
+        ValueError: for bad shapes / dtypes / devices (:func:`check_rope_args`).
+    """
+    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+    return rope_kv_write_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+
+
+@rope_kv_write.register_kernel("cuda")
+def _(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
+    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+    impl = _triton()
+    fn = impl.rope_kv_write if impl is not None else rope_kv_write_reference
+    return fn(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+
+
+@rope_kv_write.register_fake
+def _(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
+    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
+    return q.new_empty(q.shape)
+
+
 @torch.library.custom_op("lora_graph::paged_attention", mutates_args=())
 def paged_attention(
     q: Tensor,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lora_graph.attention import paged_attention
+from lora_graph.attention import apply_rope, paged_attention, rope_kv_write
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
 
@@ -49,22 +49,6 @@ def rope_inv_freq(config: Any) -> Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, rotary_dim]``:
-    the first ``rotary_dim`` dims rotate, the rest pass through (transformers'
-    ``apply_rotary_pos_emb`` with a partial rotary factor)."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return (x * cos + rotate_half(x) * sin).to(x.dtype)
-    rot, rest = x[..., :rd], x[..., rd:]
-    return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
 
 
 def residual_add(x: Tensor, y: Tensor) -> Tensor:
@@ -110,10 +94,11 @@ def rope_tables(config: Any, max_seq_len: int) -> tuple[Tensor, Tensor]:
 
 class PagedKVCache(nn.Module):
     """One layer's K and V pages (:mod:`lora_graph.paging`), allocated once. The buffers are
-    flat, ``[num_pages * page_size, kv_heads, head_dim]``, written in place with one
-    indexed store (as gpt-fast's cache: a store through a view of a buffer makes
-    ``torch.compile`` copy the whole buffer, every step); :meth:`pages` views them as
-    ``[num_pages, page_size, kv_heads, head_dim]`` for reading."""
+    flat, ``[num_pages * page_size, kv_heads, head_dim]``, written in place at flat
+    positions by :func:`lora_graph.attention.rope_kv_write` (as gpt-fast's cache: a store
+    through a view of a buffer makes ``torch.compile`` copy the whole buffer, every step);
+    :meth:`pages` views them as ``[num_pages, page_size, kv_heads, head_dim]`` for
+    reading."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:  # fmt: skip
@@ -122,12 +107,6 @@ class PagedKVCache(nn.Module):
         shape = (num_pages * page_size, kv_heads, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
-
-    def write(self, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at the flat positions
-        ``slot_mapping`` ``[T]`` int64 (``page * page_size + offset``)."""
-        self.k[slot_mapping] = k
-        self.v[slot_mapping] = v
 
     def pages(self) -> tuple[Tensor, Tensor]:
         """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
@@ -197,9 +176,7 @@ class PagedAttention(nn.Module):
         c = self.config
         n = x.shape[0]
         q, k, v = self.project(x, routing)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.kv_cache.write(attn.slot_mapping, k, v)
+        q = rope_kv_write(q, k, v, cos, sin, attn.slot_mapping, self.kv_cache.k, self.kv_cache.v)
         k_pages, v_pages = self.kv_cache.pages()
         cap = (self.softcap,) if self.softcap else ()
         out = paged_attention(

@@ -48,6 +48,7 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
     for key, graph in compiled.graphs.graphs.items():
         assert graph.compiles == 1, (key, graph.compiles)  # one layer graph serves every layer
         assert "lora_graph.paged_attention" in graph.ops, key
+        assert "lora_graph.rope_kv_write" in graph.ops, key
         if isinstance(key, LoraBaseOnly):
             assert graph.lora_ops == frozenset(), key
         else:

@@ -579,3 +579,113 @@ def test_gpu_cuda_graph_replay():
         assert torch.equal(out[live:], torch.zeros_like(out[live:]))
         torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
         check(out, step, 2e-2)
+
+
+# --------------------------------------------------------------------------------------
+# lora_graph::rope_kv_write: RoPE on q and k, k and v into the flat cache, one op
+# --------------------------------------------------------------------------------------
+def rope_case(t, hq, hkv, d, rd, dtype, device="cpu", seed=0):
+    """q/k/v as views of one fused projection, rotary tables of real frequencies at random
+    positions, distinct random slots, caches full of NaN (a slot written twice or a row
+    missed shows)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+    pos = torch.randint(0, 5000, (t,), generator=g).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    ang = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    slots = torch.randperm(3 * t + 5, generator=g)[:t]
+    k_cache = torch.full((3 * t + 5, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    to = dict(device=device)
+    return [x.to(**to) for x in (q, k, v, cos, sin, slots, k_cache, v_cache)]
+
+
+def rope64(x, cos, sin):
+    """RoPE in float64 from the same (rounded) inputs: the expectation."""
+    x, cos, sin = x.double().cpu(), cos.double().cpu()[:, None], sin.double().cpu()[:, None]
+    rd, half = cos.shape[-1], cos.shape[-1] // 2
+    rot = x[..., :rd]
+    turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + turned * sin, x[..., rd:]), dim=-1)
+
+
+def check_rope(fn, case, atol, rtol=0.0):
+    q, k, v, cos, sin, slots, k_cache, v_cache = case
+    got = fn(*case)
+    assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
+    torch.testing.assert_close(got.double().cpu(), rope64(q, cos, sin), rtol=rtol, atol=atol)
+    s = slots.cpu()
+    kc, vc = k_cache.cpu(), v_cache.cpu()
+    torch.testing.assert_close(kc[s].double(), rope64(k, cos, sin), rtol=rtol, atol=atol)
+    assert torch.equal(vc[s], v.cpu())  # v is copied, bit for bit
+    untouched = torch.ones(kc.shape[0], dtype=torch.bool)
+    untouched[s] = False
+    assert kc[untouched].isnan().all() and vc[untouched].isnan().all()
+
+
+# (tokens, q heads, kv heads, head dim, rotary dim): whole and partial rotary, head counts
+# and dims that are not powers of two, one token
+ROPE_CASES = [(5, 4, 2, 16, 16), (3, 6, 3, 24, 8), (1, 2, 1, 32, 32), (7, 4, 4, 10, 6)]
+# float32: both rotate in float32; bfloat16: the reference rounds op by op (x * cos, then
+# the rotated half times sin, then the sum: three roundings of |x| < 5), the kernel once
+# (on a GPU to nearest: half a unit in the last place, relative 2^-9, checked at 2^-8; the
+# interpreter truncates to bfloat16: under one unit, checked at 2^-7)
+ROPE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 8e-2}
+ONE_ROUNDING = dict(atol=1e-5, rtol=2**-8)
+ONE_TRUNCATION = dict(atol=1e-5, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, hq, hkv, d, rd", ROPE_CASES)
+def test_rope_kv_write_reference(t, hq, hkv, d, rd, dtype):
+    check_rope(A.rope_kv_write, rope_case(t, hq, hkv, d, rd, dtype), ROPE_ATOL[dtype])
+
+
+def test_rope_kv_write_opcheck():
+    """The op's schema (it mutates the caches), fake kernel and autograd registration."""
+    case = rope_case(5, 4, 2, 16, 8, torch.float32)
+    case[6].zero_(), case[7].zero_()  # opcheck compares outputs: no NaN
+    torch.library.opcheck(torch.ops.lora_graph.rope_kv_write.default, tuple(case))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, hq, hkv, d, rd", ROPE_CASES)
+def test_triton_rope_kv_write(t, hq, hkv, d, rd, dtype):
+    """The kernel against float64, and (float32) against the reference op."""
+    case = rope_case(t, hq, hkv, d, rd, dtype, seed=t + d)
+    check_rope(TA.rope_kv_write, case, **ONE_TRUNCATION)
+    if dtype == torch.float32:
+        ref = rope_case(t, hq, hkv, d, rd, dtype, seed=t + d)
+        want = A.rope_kv_write_reference(*ref)
+        got = TA.rope_kv_write(*case)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(case[6], ref[6], rtol=0, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda c: c.__setitem__(3, c[3][:, :-1]), "cos must be"),
+        (lambda c: c.__setitem__(5, c[5].int()), "slot_mapping must be"),
+        (lambda c: c.__setitem__(1, c[1].double()), "k must be"),
+        (lambda c: c.__setitem__(7, c[7][:, :1]), "v_cache must be"),
+        (lambda c: c.__setitem__(4, c[4].float()), "cos .* and sin"),
+    ],
+)
+def test_rope_kv_write_rejects_bad_input(change, match):
+    case = rope_case(4, 4, 2, 16, 16, torch.bfloat16)
+    change(case)
+    with pytest.raises(ValueError, match=match):
+        A.rope_kv_write(*case)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_rope_kv_write():
+    """The compiled kernel at Llama-3-8B sizes (and a partial rotary case), bf16."""
+    for t, hq, hkv, d, rd in [(64, 32, 8, 128, 128), (3, 32, 8, 96, 32)]:
+        case = rope_case(t, hq, hkv, d, rd, torch.bfloat16, device="cuda", seed=t)
+        check_rope(A.rope_kv_write, case, **ONE_ROUNDING)
