@@ -27,6 +27,9 @@ pipeline each, captured after the variant's switches are set), e.g.
                        takes; 0: the shrink's own split)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
+    rope_kv=0|1        blocks.ROPE_KV_OP (RoPE and the KV write as one op; 0: torch ops that
+                       torch.compile fuses itself). It changes the base step too: compare
+                       the variants' (b), the LoRA pipeline's base-only step
 """
 
 from __future__ import annotations
@@ -210,7 +213,9 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "overwrite", "fused_delta", "k_steps", "ranks", "slot_ranks")
+VARIANT_SWITCHES = (
+    "fused_silu", "overwrite", "fused_delta", "k_steps", "ranks", "slot_ranks", "rope_kv",
+)  # fmt: skip
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -251,7 +256,9 @@ def apply_switches(switches: dict[str, str]) -> None:
     """Set the module switches of a variant (the defaults for those not named)."""
     import lora_graph.ops as ops
     from lora_graph.kernels import triton_launch
+    from lora_graph.models import blocks
 
+    blocks.ROPE_KV_OP = switches.get("rope_kv", "1") == "1"
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
     triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"

@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lora_graph.attention import apply_rope, paged_attention, rope_kv_write
+from lora_graph.attention import (
+    apply_rope,
+    paged_attention,
+    rope_kv_write,
+    rope_kv_write_reference,
+)
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
 
@@ -49,6 +54,12 @@ def rope_inv_freq(config: Any) -> Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+# RoPE and the KV write as the one op :func:`lora_graph.attention.rope_kv_write` (one Triton
+# kernel on CUDA); False: as torch ops that torch.compile fuses itself (two or three kernels
+# a layer). A benchmark switch (bench/decode.py's rope_kv), read when a step is traced.
+ROPE_KV_OP = True
 
 
 def residual_add(x: Tensor, y: Tensor) -> Tensor:
@@ -176,7 +187,8 @@ class PagedAttention(nn.Module):
         c = self.config
         n = x.shape[0]
         q, k, v = self.project(x, routing)
-        q = rope_kv_write(q, k, v, cos, sin, attn.slot_mapping, self.kv_cache.k, self.kv_cache.v)
+        write = rope_kv_write if ROPE_KV_OP else rope_kv_write_reference
+        q = write(q, k, v, cos, sin, attn.slot_mapping, self.kv_cache.k, self.kv_cache.v)
         k_pages, v_pages = self.kv_cache.pages()
         cap = (self.softcap,) if self.softcap else ()
         out = paged_attention(
