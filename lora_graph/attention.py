@@ -196,20 +196,31 @@ def check_rope_args(
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     for name, c in (("cos", cos), ("sin", sin)):
-        if c.dim() != 2 or c.shape[0] != t or c.shape[1] % 2 or not 0 < c.shape[1] <= d:
+        if (
+            c.dim() != 2
+            or c.shape[0] != t
+            or c.shape[1] % 2
+            or not 0 < c.shape[1] <= d
+            or c.dtype not in _FLOAT_DTYPES
+        ):
             raise ValueError(
-                f"{name} must be [{t}, rotary_dim] with an even rotary_dim <= {d}, got "
-                f"{tuple(c.shape)}"
+                f"{name} must be [{t}, rotary_dim] float32/bfloat16/float16 with an even "
+                f"rotary_dim <= {d}, got {c.dtype} {tuple(c.shape)}"
             )
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
-        raise ValueError(f"cos {cos.dtype} {tuple(cos.shape)} and sin {sin.dtype} differ")
+        raise ValueError(
+            f"cos {cos.dtype} {tuple(cos.shape)} and sin {sin.dtype} {tuple(sin.shape)} differ"
+        )
     if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be [{t}] int64, got {slot_mapping.dtype}")
+        raise ValueError(
+            f"slot_mapping must be [{t}] int64, got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[1:] != k.shape[1:] or c.dtype != q.dtype:
+        if c.dim() != 3 or c.shape[1:] != k.shape[1:] or c.dtype != q.dtype or c.stride(2) != 1:
             raise ValueError(
-                f"{name} must be [slots, {k.shape[1]}, {d}] {q.dtype}, got {c.dtype} "
-                f"{tuple(c.shape)}"
+                f"{name} must be [slots, {k.shape[1]}, {d}] {q.dtype} with its last dim "
+                f"contiguous, got {c.dtype} {tuple(c.shape)} strides {c.stride()}"
             )
     tensors = (q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
     devices = {x.device for x in tensors}
@@ -258,8 +269,10 @@ def rope_kv_write(
             most ``D``; the first ``rotary_dim`` dims rotate as ``rotate_half``, the rest
             pass through).
         slot_mapping: ``[T]`` int64, each token's flat cache position
-            (``page * page_size + offset``).
-        k_cache, v_cache: ``[slots, Hkv, D]`` flat caches, written at ``slot_mapping``.
+            (``page * page_size + offset``), each in ``[0, slots)``: not checked (that
+            would read the device), and the Triton kernel does not wrap negative ones.
+        k_cache, v_cache: ``[slots, Hkv, D]`` flat caches (the last dim contiguous),
+            written at ``slot_mapping``.
 
     Returns:
         the rotated ``q``, ``[T, Hq, D]`` contiguous. On the CPU (the reference) each op

@@ -673,6 +673,12 @@ def test_triton_rope_kv_write(t, hq, hkv, d, rd, dtype):
         (lambda c: c.__setitem__(1, c[1].double()), "k must be"),
         (lambda c: c.__setitem__(7, c[7][:, :1]), "v_cache must be"),
         (lambda c: c.__setitem__(4, c[4].float()), "cos .* and sin"),
+        (lambda c: c.__setitem__(3, c[3].long()), "cos must be"),
+        (lambda c: c.__setitem__(5, c[5][:, None]), r"slot_mapping must be \[4\] int64, got"),
+        (
+            lambda c: c.__setitem__(6, c[6].transpose(1, 2).contiguous().transpose(1, 2)),
+            "last dim contiguous",
+        ),  # fmt: skip
     ],
 )
 def test_rope_kv_write_rejects_bad_input(change, match):
@@ -680,6 +686,27 @@ def test_rope_kv_write_rejects_bad_input(change, match):
     change(case)
     with pytest.raises(ValueError, match=match):
         A.rope_kv_write(*case)
+
+
+@interp
+def test_triton_strided_index_inputs():
+    """Strided views of the step's index tensors (slot mapping, lengths, starts, block
+    table) read as the reference reads them: the launchers copy them contiguous."""
+    case = rope_case(4, 4, 2, 16, 16, torch.float32)
+    case[5] = torch.stack([case[5], case[5].flip(0)], 1)[:, 0]
+    assert case[5].stride(0) == 2
+    check_rope(TA.rope_kv_write, case, atol=1e-5)
+    step = make_step([(1, 30), (1, 7), (0, 0), (1, 19)], groups=2, seed=4)
+    q, k, v, bt, lens, starts = step.args[:6]
+
+    def strided(x):
+        return torch.stack([x, x], -1)[..., 0]
+
+    args = (q, k, v, bt.t().contiguous().t(), strided(lens), strided(starts), *step.args[6:])
+    assert args[3].stride(1) != 1 and args[4].stride(0) == 2
+    check(TA.paged_attention(*args), step, ATOL[torch.float32])
+    cfg = TA.make_config(2, block_q=8, block_n=16, splits=3)
+    check(TA.paged_attention(*args, config=cfg), step, ATOL[torch.float32])
 
 
 @needs_gpu

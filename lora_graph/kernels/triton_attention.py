@@ -468,6 +468,9 @@ def paged_attention(
     if not HAVE_TRITON:
         raise RuntimeError("the Triton paged attention needs Triton; use the torch backend")
     check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start)
+    # the kernels index these by position: a strided view is copied (no copy otherwise)
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    seq_lens, query_start = seq_lens.contiguous(), query_start.contiguous()
     n, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     s = block_tables.shape[0]
@@ -537,8 +540,9 @@ def rope_kv_write(
     v_cache: Tensor,
 ) -> Tensor:
     """:func:`lora_graph.attention.rope_kv_write` in one launch of one program a token: the
-    arguments and result of the op (the caller has checked them). Each tensor's last dim
-    must be contiguous (it is made so otherwise).
+    arguments and result of the op (the caller has checked them). The inputs are made
+    contiguous in their last dim (``slot_mapping`` wholly) where they are not; the caches
+    must be so already.
 
     Raises:
         RuntimeError: without Triton.
@@ -548,7 +552,9 @@ def rope_kv_write(
     t, hq, d = q.shape
     hkv = k.shape[1]
     rd = cos.shape[1]
-    q, k, v, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin))
+    q, k, v, cos, sin, slot_mapping = (
+        x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin, slot_mapping)
+    )
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
