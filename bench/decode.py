@@ -27,9 +27,10 @@ pipeline each, captured after the variant's switches are set), e.g.
                        takes; 0: the shrink's own split)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
-    rope_kv=0|1        blocks.ROPE_KV_OP (RoPE and the KV write as one op; 0: torch ops that
-                       torch.compile fuses itself). It changes the base step too: compare
-                       the variants' (b), the LoRA pipeline's base-only step
+    rope_kv=0|1        blocks.ROPE_KV_OP (1: RoPE and the KV write as one op; 0, the
+                       default: torch ops that torch.compile fuses itself). It changes the
+                       base step too: compare the variants' (b), the LoRA pipeline's
+                       base-only step
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def apply_switches(switches: dict[str, str]) -> None:
     from lora_graph.kernels import triton_launch
     from lora_graph.models import blocks
 
-    blocks.ROPE_KV_OP = switches.get("rope_kv", "1") == "1"
+    blocks.ROPE_KV_OP = switches.get("rope_kv", "0") == "1"
     ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
     triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"

@@ -28,7 +28,7 @@ EXTRA = {
     "decode.py": [
         "--variants",
         "now",
-        "v:ranks=4/8,fused_silu=0,overwrite=0,fused_delta=0,k_steps=2,slot_ranks=0,rope_kv=0",
+        "v:ranks=4/8,fused_silu=0,overwrite=0,fused_delta=0,k_steps=2,slot_ranks=0,rope_kv=1",
     ],
     "profile_step.py": ["--ranks", "4/8"],  # adapters of two ranks in a pool of the larger
 }
