@@ -200,18 +200,20 @@ def test_a_dropped_pipeline_frees_its_memory(tiny):
     assert all(r() is None for r in refs)
 
 
-def test_rope_kv_op_in_a_compiled_step_equals_eager(tiny, monkeypatch):
+@pytest.mark.parametrize("mode", MODES)
+def test_rope_kv_op_in_a_compiled_step_equals_eager(tiny, monkeypatch, mode):
     """RoPE and the KV write through the one op (``blocks.ROPE_KV_OP``, off by default until
     its kernel is timed on a GPU) inside an inductor-compiled step: the op is in the graph,
     inductor writes the caches in place through it, and prefill chunks then decodes (which
     read what earlier steps wrote) equal the eager pipeline's on the default path."""
     from lora_graph.models import blocks
 
-    kw = dict(max_batch_size=2, max_num_batched_tokens=8)
+    device, how = mode
+    kw = dict(max_batch_size=2, max_num_batched_tokens=8, device=device)
     eager = make_pipeline(tiny, **kw)
     monkeypatch.setattr(blocks, "ROPE_KV_OP", True)
     compiled = make_pipeline(tiny, **kw)
-    compiled.enable_compile("inductor", token_buckets=(8,), progress=False)
+    compiled.enable_compile(how, token_buckets=(8,), progress=False)
     assert all("lora_graph.rope_kv_write" in g.ops for g in compiled.graphs.graphs.values())
     p = prompts(2, seed=41, min_len=9, max_len=12)
     steps = [
