@@ -58,10 +58,10 @@ def rope_inv_freq(config: Any) -> Tensor:
 
 # RoPE and the KV write as the one op :func:`lora_graph.attention.rope_kv_write` (one Triton
 # kernel on CUDA) when True; False: as torch ops that torch.compile fuses itself (two or
-# three kernels a layer). Off until the kernel has been compiled and timed on a GPU (it is
-# tested under Triton's interpreter and, through the op, in a compiled CPU step only;
-# session 10 ran out of device time). A benchmark switch (bench/decode.py's rope_kv), read
-# when a step is traced.
+# three kernels a layer). Off: on the H200 (session 11, bench/RESULTS.md) it saved 0-1% of
+# the base-only decode step and cost 1.5-3% on every LoRA step, where inductor otherwise
+# fuses the q/k/v delta's add into the rotation. A benchmark switch (bench/decode.py's
+# rope_kv), read when a step is traced.
 ROPE_KV_OP = False
 
 
