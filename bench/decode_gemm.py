@@ -79,7 +79,7 @@ def _gemm_lora_kernel(
             _shrink_tile(x_ptr, a_ptr, h_ptr, slot, R, row0, hi, pid_n, pid_k, K, k_per_split,
                          stride_xm, 1, stride_as, stride_aj, 1, stride_hs, stride_hm, 1,
                          R, SR, S_BLOCK_M, S_BLOCK_N, S_BLOCK_K, SPLIT_K, True, CAST_F32,
-                         "tf32x3")
+                         "tf32x3", False)
         tl.debug_barrier()
         tl.atomic_add(count_ptr, 1, sem="release")
     else:

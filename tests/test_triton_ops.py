@@ -618,18 +618,39 @@ def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
         T.delta_(torch.zeros(65, t.out_features), x, a, b, list(t.out_slices), *routing)
 
 
+# ranks over several 16-column chunks of a rank-48 pool (rounded up: 48, 16, 32, 48)
+WIDE_RANKS = {1: 40, 2: 1, 3: 20, 4: 33}
+
+
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("max_rank", [MAX_RANK, 32])
-def test_columns_past_a_slots_rank_are_not_read(dtype, max_rank):
+@pytest.mark.parametrize(
+    "max_rank, slot_ranks, n, follow",
+    [
+        (MAX_RANK, RANKS, 37, True),
+        (32, RANKS, 37, True),
+        (48, WIDE_RANKS, 37, True),
+        (48, WIDE_RANKS, 3, True),
+        (48, WIDE_RANKS, 37, False),
+    ],
+    ids=["r8", "r32", "r48-chunks", "r48-chunks-3rows", "r48-masked"],
+)
+def test_columns_past_a_slots_rank_are_not_read(
+    dtype, max_rank, slot_ranks, n, follow, monkeypatch
+):
     """With ``ranks``, every kernel skips a slot's A rows and B columns from its rank on
     (rounded up to a multiple of 16 in a pool whose ``max_rank`` is one): garbage put there
     changes nothing (without ``ranks`` it does), and the results equal the float64 reference
-    of the clean pool; h stays exact (0 past the rank)."""
+    of the clean pool; h stays exact (0 past the rank). In pools wider than 16 the shrink
+    numbers only a slot's live columns (``COMPACT``) and the decode expands loop over
+    16-column rank chunks (``RANK_CHUNK``): rank-48 slots take three chunks, at 37 rows
+    (``tl.dot`` tiles) and at 3 (broadcast tiles). ``follow=False``: the benchmark switch
+    ``RANK_FOLLOWING`` off (max_rank tiles, masked)."""
+    monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     targets = {**TARGETS, "gate_up": GATE_UP}
-    clean = Pool(targets, RANKS, max_rank, NUM_SLOTS, dtype, seed=21)
-    dirty = Pool(targets, RANKS, max_rank, NUM_SLOTS, dtype, seed=21)
-    ranks = torch.tensor([RANKS.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32)
+    clean = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, seed=21)
+    dirty = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, seed=21)
+    ranks = torch.tensor([slot_ranks.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32)
     for name, t in targets.items():
         a, b = dirty.stacks(name)
         for slot in range(NUM_SLOTS):
@@ -637,9 +658,8 @@ def test_columns_past_a_slots_rank_are_not_read(dtype, max_rank):
             read = r if max_rank % 16 else min(-(-r // 16) * 16, max_rank)
             a[slot].view(t.num_slices, max_rank, -1)[:, read:] = 1e3
             b[slot, :, read:] = -1e3
-    groups = mixed_groups(30)
+    groups = mixed_groups(n - 7) if n > 7 else [(3, 1), (0, 0), (1, 1)]  # + base rows
     routing = make_routing(groups, pad_to=8)
-    n = 37
     g = torch.Generator().manual_seed(3)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for name in ("qkv", "down"):
@@ -929,6 +949,17 @@ for n in (512, 2048):  # the gated MLP's fused expand + activation (prefill size
     b2 = slot_stack(torch.zeros(9, 2 * 14336 * 16, dtype=torch.bfloat16), 0, (2 * 14336, 16))
     y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
     T.expand_silu_mul(y2, torch.zeros(2, n, 16), b2, *routing)
+# a rank-64 pool told each slot's rank (decode): compact shrink columns, expand rank chunks
+ranks = torch.full((9,), 16, dtype=torch.int32)
+a64 = slot_stack(torch.zeros(9, 192 * 4096, dtype=torch.bfloat16), 0, (192, 4096))
+b64 = slot_stack(torch.zeros(9, 6144 * 64, dtype=torch.bfloat16), 0, (6144, 64))
+g64 = slot_stack(torch.zeros(9, 2 * 14336 * 64, dtype=torch.bfloat16), 0, (2 * 14336, 64))
+for n in (1, 3, 33):
+    x, y = torch.zeros(n, 4096, dtype=torch.bfloat16), torch.zeros(n, 6144, dtype=torch.bfloat16)
+    h = T.shrink(x, a64, 3, *routing, ranks=ranks)
+    T.expand_(y, h, b64, [4096, 1024, 1024], *routing, ranks=ranks)
+    y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
+    T.expand_silu_mul(y2, torch.zeros(2, n, 64), g64, *routing, ranks=ranks)
 for k in compiled:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -952,7 +983,7 @@ def test_kernels_compile_for_sm90():
     )
     if proc.returncode == 77:
         pytest.skip(f"cannot compile for sm_90 here: {proc.stdout.strip()}")
-    assert proc.returncode == 0 and "compiled 12" in proc.stdout, (
+    assert proc.returncode == 0 and "compiled 21" in proc.stdout, (
         proc.stdout[-2000:] + proc.stderr[-4000:]
     )
 

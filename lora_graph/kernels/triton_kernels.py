@@ -129,12 +129,17 @@ if HAVE_TRITON:
             return slot * 0 + R
 
     @triton.jit
-    def _live_block(pid_n, rank, R: tl.constexpr, SR: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Whether shrink column block ``pid_n`` (of ``BLOCK_N`` of the ``S*R`` columns)
-        holds a column below the slot's ``rank`` in its slice (else all its A rows are zero:
-        the block is skipped)."""
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        return tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
+    def _live_block(pid_n, rank, R: tl.constexpr, SR: tl.constexpr, BLOCK_N: tl.constexpr,
+                    COMPACT: tl.constexpr):
+        """Whether shrink column block ``pid_n`` (of ``BLOCK_N`` columns) holds a column
+        below the slot's ``rank`` in its slice (else all its A rows are zero: the block is
+        skipped). ``COMPACT`` numbers only the slot's ``S * rank`` live columns (the first
+        blocks), else all ``S * R``."""
+        if COMPACT:
+            return pid_n * BLOCK_N < (SR // R) * rank
+        else:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            return tl.sum(((cols % R < rank) & (cols < SR)).to(tl.int32), axis=0) > 0
 
     @triton.jit
     def _shrink_tile(
@@ -142,19 +147,28 @@ if HAVE_TRITON:
         stride_xm, stride_xk, stride_as, stride_aj, stride_ak, stride_hs, stride_hm, stride_hr,
         R: tl.constexpr, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, COMPACT: tl.constexpr,
     ):
         offs_m = row0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < hi
         rows = offs_m.to(tl.int64)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_j = offs_j < SR
-        mask_a = mask_j & ((offs_j % R) < rank)  # the A rows past the slot's rank: not read
+        if COMPACT:  # column j of the block: slice j // rank, rank column j % rank
+            rank_d = tl.maximum(rank, 1)
+            s = offs_j // rank_d
+            r = offs_j % rank_d
+            mask_j = offs_j < (SR // R) * rank
+            mask_a = mask_j
+        else:  # column j: slice j // R, rank column j % R
+            s = offs_j // R
+            r = offs_j % R
+            mask_j = offs_j < SR
+            mask_a = mask_j & (r < rank)  # the A rows past the slot's rank: not read
         offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
 
         x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as
-                  + offs_j[None, :] * stride_aj + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + (s * R + r)[None, :] * stride_aj
+                  + offs_k[:, None] * stride_ak)  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, k_per_split, BLOCK_K):
             mask_k = offs_k < K - kk
@@ -170,12 +184,10 @@ if HAVE_TRITON:
             x_ptrs += BLOCK_K * stride_xk
             a_ptrs += BLOCK_K * stride_ak
 
-        s = offs_j // R
-        r = offs_j % R
         h_ptrs = h_ptr + s[None, :] * stride_hs + rows[:, None] * stride_hm + r[None, :] * stride_hr
         mask = mask_m[:, None] & mask_j[None, :]
-        if SPLIT_K == 1:
-            tl.store(h_ptrs, acc, mask=mask)  # 0 past the rank: h stays exact
+        if SPLIT_K == 1:  # not COMPACT: 0 past the rank; COMPACT: h's columns past it untouched
+            tl.store(h_ptrs, acc, mask=mask)
         else:
             tl.atomic_add(h_ptrs, acc, mask=mask_m[:, None] & mask_a[None, :], sem="relaxed")
 
@@ -191,7 +203,7 @@ if HAVE_TRITON:
         R: tl.constexpr, SR: tl.constexpr, G_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, CAST_F32: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr, COMPACT: tl.constexpr,
     ):
         """Semantics: ``h[j // R, t, j % R] (+)= sum_k x[t, k] * A[slot(t), j, k]`` for every
         work item ``(row tile, column block, K split)`` this program owns.
@@ -200,6 +212,8 @@ if HAVE_TRITON:
         With ``HAS_RANKS``, ``ranks[slot]`` bounds the nonzero rows of each slice of a slot's A
         (``[num_slots]`` int32): rows ``j % R`` at or above it are not read, and an item whose
         column block holds none below it does nothing (its ``h`` stays as it was: zero).
+        With ``COMPACT`` (needs ``HAS_RANKS``) the column blocks number only a slot's
+        ``S * rank`` live columns, so a low-rank slot's items past them end at once.
         Items are numbered ``tile * (n_col_blocks * SPLIT_K) + col_block * SPLIT_K + split``;
         program ``p`` takes items ``p, p + num_programs, ...`` below ``n_items``.
         """
@@ -212,13 +226,13 @@ if HAVE_TRITON:
             pid_k = item % SPLIT_K
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
-            if (row0 < hi) & _live_block(pid_n, rank, R, SR, BLOCK_N):
+            if (row0 < hi) & _live_block(pid_n, rank, R, SR, BLOCK_N, COMPACT):
                 _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
                              k_per_split,
                              stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
                              stride_hs, stride_hm, stride_hr,
                              R, SR, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32,
-                             DOT_PRECISION)
+                             DOT_PRECISION, COMPACT)
 
     @triton.jit
     def _expand_tile(
@@ -228,6 +242,7 @@ if HAVE_TRITON:
         SLICE_BLOCK0: tl.constexpr, SLICE_COL0: tl.constexpr, SLICE_WIDTH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
+        RANK_CHUNK: tl.constexpr,
     ):
         # which slice column block pid_n is in (constexpr block starts, no table in memory)
         sl = pid_n * 0
@@ -247,20 +262,37 @@ if HAVE_TRITON:
         offs_c = (pid_n - blk0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_c = offs_c < width
         cols = col0 + offs_c
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank  # B's columns (and h's) past the slot's rank are not read
-        if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
-            mask_r = mask_r & ((offs_r * 0 + slot) > 0)
-
-        h_ptrs = h_ptr + sl * stride_hs + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
-        ht = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs
-                  + cols[:, None] * stride_bn + offs_r[None, :] * stride_br)  # [BLOCK_N, BLOCK_R]
-        bt = tl.load(b_ptrs, mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        if USE_DOT:
-            delta = tl.dot(ht, tl.trans(bt), input_precision=DOT_PRECISION)
-        else:
-            delta = tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
+        h_rows = h_ptr + sl * stride_hs + rows[:, None] * stride_hm
+        b_rows = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
+        if RANK_CHUNK == 0:  # one [*, BLOCK_R] tile, masked past the slot's rank
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank  # B's columns (and h's) past the slot's rank are not read
+            if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
+                mask_r = mask_r & ((offs_r * 0 + slot) > 0)
+            ht = tl.load(h_rows + offs_r[None, :] * stride_hr,
+                         mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+            bt = tl.load(b_rows + offs_r[None, :] * stride_br,  # [BLOCK_N, BLOCK_R]
+                         mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+            if USE_DOT:
+                delta = tl.dot(ht, tl.trans(bt), input_precision=DOT_PRECISION)
+            else:
+                delta = tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
+        else:  # chunks of RANK_CHUNK columns up to the slot's rank: its cost follows its rank
+            r_stop = rank
+            if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
+                r_stop = tl.where(slot > 0, rank, 0)
+            delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, r_stop, RANK_CHUNK):
+                offs_r = r0 + tl.arange(0, RANK_CHUNK)
+                mask_r = offs_r < rank
+                ht = tl.load(h_rows + offs_r[None, :] * stride_hr,
+                             mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+                bt = tl.load(b_rows + offs_r[None, :] * stride_br,
+                             mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
+                if USE_DOT:
+                    delta = tl.dot(ht, tl.trans(bt), delta, input_precision=DOT_PRECISION)
+                else:
+                    delta += tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
 
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
         mask = mask_m[:, None] & mask_c[None, :]
@@ -283,7 +315,7 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
-        HAS_RANKS: tl.constexpr,
+        HAS_RANKS: tl.constexpr, RANK_CHUNK: tl.constexpr,
     ):
         """Semantics: ``y[t, c] = cast(float(y[t, c]) + sum_r h[s(c), t, r] * B[slot(t), c, r])``
         for every work item ``(row tile, column block)`` this program owns; with
@@ -313,7 +345,8 @@ if HAVE_TRITON:
                                  stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
                                  stride_bs, stride_bn, stride_br,
                                  R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
-                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION, OVERWRITE)
+                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, DOT_PRECISION, OVERWRITE,
+                                 RANK_CHUNK)
     @triton.jit(do_not_specialize=["N", "G", "num_slots", "n_shrink", "n_expand"])
     def _delta_kernel(
         x_ptr, a_ptr, h_ptr, y_ptr, b_ptr, count_ptr, lora_ids_ptr, offsets_ptr, end_ptr,
@@ -329,7 +362,7 @@ if HAVE_TRITON:
         BLOCK_R: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr, NUM_STAGES: tl.constexpr,
         USE_DOT: tl.constexpr, CAST_F32: tl.constexpr, S_PRECISION: tl.constexpr,
         E_PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, HAS_RANKS: tl.constexpr,
-        MAX_TILES: tl.constexpr,
+        MAX_TILES: tl.constexpr, RANK_CHUNK: tl.constexpr, COMPACT: tl.constexpr,
     ):
         """Semantics: :func:`_shrink_kernel` then :func:`_expand_kernel` in one launch (decode):
         ``y[t, c] (+)= sum_r h[s(c), t, r] * B[slot(t), c, r]`` with ``h = x @ A[slot(t)].T``.
@@ -364,13 +397,13 @@ if HAVE_TRITON:
             slot, row0, hi = _tile_rows(tile, gs, slot_v, lo_v, hi_v, first_v, last_v, BLOCK_M)
             if (row0 < hi) & (slot > 0):
                 rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
-                if _live_block(pid_n, rank, R, SR, SHRINK_N):
+                if _live_block(pid_n, rank, R, SR, SHRINK_N, COMPACT):
                     _shrink_tile(x_ptr, a_ptr, h_ptr, slot, rank, row0, hi, pid_n, pid_k, K,
                                  k_per_split,
                                  stride_xm, stride_xk, stride_as, stride_aj, stride_ak,
                                  stride_hs, stride_hm, stride_hr,
                                  R, SR, BLOCK_M, SHRINK_N, BLOCK_K, SPLIT_K, USE_DOT, CAST_F32,
-                                 S_PRECISION)
+                                 S_PRECISION, COMPACT)
                 tl.debug_barrier()  # every thread's partial is out before the count
                 tl.atomic_add(count_ptr + tile, 1, sem="release")
         elif pid < n_shrink + n_expand:
@@ -392,7 +425,8 @@ if HAVE_TRITON:
                                  stride_ym, stride_yn, stride_hs, stride_hm, stride_hr,
                                  stride_bs, stride_bn, stride_br,
                                  R, NUM_SLICES, SLICE_BLOCK0, SLICE_COL0, SLICE_WIDTH,
-                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, E_PRECISION, OVERWRITE)
+                                 BLOCK_M, BLOCK_N, BLOCK_R, USE_DOT, E_PRECISION, OVERWRITE,
+                                 RANK_CHUNK)
                 if slot > 0:
                     tl.debug_barrier()  # every thread has read h
                     last = tl.atomic_add(count_ptr + MAX_TILES + tile, 1, sem="acq_rel")
@@ -418,7 +452,7 @@ if HAVE_TRITON:
         R: tl.constexpr, G_POW2: tl.constexpr, N_COL_BLOCKS: tl.constexpr,
         BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr, RANK_CHUNK: tl.constexpr,
     ):
         """Semantics: with ``g = cast(y[t, c] + d_0)``, ``u = cast(y[t, HALF + c] + d_1)``
         (``d_s = h[s, t] . B[slot(t), s*HALF + c]``, 0 for rows that get no delta; ``cast``
@@ -431,6 +465,8 @@ if HAVE_TRITON:
         read neither ``h`` nor ``B`` (masked loads), so their delta is exactly 0. Program
         ``(tile, j)`` (``program_id(0)`` over ``n_tiles``, ``program_id(1)``) loads its rows'
         ``h`` once and walks column blocks ``j * BLOCKS_PER_PROGRAM ...`` in a pipelined loop.
+        With ``RANK_CHUNK`` a block instead loops over chunks of ``RANK_CHUNK`` rank columns
+        up to its slot's rank, loading ``h``'s chunk with ``B``'s (not pipelined: decode).
         """
         tile = tl.program_id(0)
         gs, slot_v, lo_v, hi_v, first_v, last_v = _group_table(
@@ -444,32 +480,60 @@ if HAVE_TRITON:
             # rows without a delta read neither h nor B; nor does any row past its slot's rank
             rank = _slot_rank(ranks_ptr, slot, R, HAS_RANKS)
             mask_r = (offs_r < rank) & ((offs_r * 0 + slot) > 0)
-            mask_h = mask_m[:, None] & mask_r[None, :]
-            h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
-            hg = tl.load(h_ptrs, mask=mask_h, other=0.0)
-            hu = tl.load(h_ptrs + stride_hs, mask=mask_h, other=0.0)
+            if RANK_CHUNK == 0:  # h loaded once for every column block
+                mask_h = mask_m[:, None] & mask_r[None, :]
+                h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :] * stride_hr
+                hg = tl.load(h_ptrs, mask=mask_h, other=0.0)
+                hu = tl.load(h_ptrs + stride_hs, mask=mask_h, other=0.0)
             b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
             y_rows = y_ptr + rows[:, None] * stride_ym
             out_rows = out_ptr + rows[:, None] * stride_om
             first = tl.program_id(1) * BLOCKS_PER_PROGRAM
             stop = tl.minimum(first + BLOCKS_PER_PROGRAM, N_COL_BLOCKS)
+            r_stop = tl.where(slot > 0, rank, 0)
             for blk in tl.range(first, stop, num_stages=NUM_STAGES):
                 cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask_c = cols < HALF
                 mask = mask_m[:, None] & mask_c[None, :]
-                mask_b = mask_c[:, None] & mask_r[None, :]
                 y_ptrs = y_rows + cols[None, :] * stride_yn
-                g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)
-                b_ptrs = b_base + cols[:, None] * stride_bn
-                bg = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
-                bu = tl.load(b_ptrs + HALF * stride_bn, mask=mask_b, other=0.0).to(tl.float32)
-                if USE_DOT:
-                    dg = tl.dot(hg, tl.trans(bg), input_precision=DOT_PRECISION)
-                    du = tl.dot(hu, tl.trans(bu), input_precision=DOT_PRECISION)
+                if RANK_CHUNK == 0:
+                    g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                    u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)
+                    mask_b = mask_c[:, None] & mask_r[None, :]
+                    b_ptrs = b_base + cols[:, None] * stride_bn
+                    bg = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+                    bu = tl.load(b_ptrs + HALF * stride_bn, mask=mask_b, other=0.0).to(tl.float32)
+                    if USE_DOT:
+                        dg = tl.dot(hg, tl.trans(bg), input_precision=DOT_PRECISION)
+                        du = tl.dot(hu, tl.trans(bu), input_precision=DOT_PRECISION)
+                    else:
+                        dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
+                        du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
                 else:
-                    dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
-                    du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
+                    dg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    du = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for r0 in range(0, r_stop, RANK_CHUNK):
+                        offs_q = r0 + tl.arange(0, RANK_CHUNK)
+                        mask_q = offs_q < rank
+                        mask_hq = mask_m[:, None] & mask_q[None, :]
+                        mask_bq = mask_c[:, None] & mask_q[None, :]
+                        hq_ptrs = h_ptr + rows[:, None] * stride_hm + offs_q[None, :] * stride_hr
+                        hgq = tl.load(hq_ptrs, mask=mask_hq, other=0.0)
+                        huq = tl.load(hq_ptrs + stride_hs, mask=mask_hq, other=0.0)
+                        bq_ptrs = (b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None] * stride_bn
+                                   + offs_q[None, :] * stride_br)
+                        bg = tl.load(bq_ptrs, mask=mask_bq, other=0.0).to(tl.float32)
+                        bu = tl.load(bq_ptrs + HALF * stride_bn, mask=mask_bq,
+                                     other=0.0).to(tl.float32)
+                        if USE_DOT:
+                            dg = tl.dot(hgq, tl.trans(bg), dg, input_precision=DOT_PRECISION)
+                            du = tl.dot(huq, tl.trans(bu), du, input_precision=DOT_PRECISION)
+                        else:
+                            dg += tl.sum(hgq[:, None, :] * bg[None, :, :], axis=2)
+                            du += tl.sum(huq[:, None, :] * bu[None, :, :], axis=2)
+                    # y's tiles loaded after the rank loop: not live across it
+                    g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+                    u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)
                 g = (g + dg).to(y_ptr.dtype.element_ty).to(tl.float32)
                 u = (u + du).to(y_ptr.dtype.element_ty).to(tl.float32)
                 act = g * tl.sigmoid(g) * u
