@@ -642,9 +642,9 @@ def test_columns_past_a_slots_rank_are_not_read(
     (rounded up to a multiple of 16 in a pool whose ``max_rank`` is one): garbage put there
     changes nothing (without ``ranks`` it does), and the results equal the float64 reference
     of the clean pool; h stays exact (0 past the rank). In pools wider than 16 the shrink
-    numbers only a slot's live columns (``COMPACT``) and the decode expands loop over
-    16-column rank chunks (``RANK_CHUNK``): rank-48 slots take three chunks, at 37 rows
-    (``tl.dot`` tiles) and at 3 (broadcast tiles). ``follow=False``: the benchmark switch
+    numbers only a slot's live columns (``COMPACT``), and the expands' broadcast tiles (3
+    rows) loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot); at 37
+    rows (``tl.dot`` tiles) one masked tile. ``follow=False``: the benchmark switch
     ``RANK_FOLLOWING`` off (max_rank tiles, masked)."""
     monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     targets = {**TARGETS, "gate_up": GATE_UP}

@@ -155,7 +155,8 @@ def launch_shrink(
 
 # Whether the kernels' work follows each slot's rank (given a rank table): the shrink numbers
 # only a slot's live columns (COMPACT) and a decode expand loops over RANK_CHUNK rank columns
-# at a time up to the slot's rank. False: tiles of max_rank columns, masked past the rank
+# at a time up to the slot's rank (broadcast tiles, below 16 rows; _rank_chunk says why
+# only those). False: tiles of max_rank columns, masked past the rank
 # (the bytes still follow the rank, the instructions do not). A benchmark switch
 # (bench/decode.py's rank_loop); measured in bench/RESULTS.md, session 11.
 RANK_FOLLOWING = True
@@ -163,13 +164,15 @@ RANK_FOLLOWING = True
 RANK_CHUNK = 16
 
 
-def _rank_chunk(ranks: Tensor | None, max_rank: int, pipelined: bool) -> int:
+def _rank_chunk(ranks: Tensor | None, max_rank: int, use_dot: bool) -> int:
     """``RANK_CHUNK`` when an expand tile should loop over chunks of rank columns up to its
-    slot's rank (a rank table, a pool wider than one chunk, and a column loop that is not
-    software-pipelined: a nested loop would stop the pipelining), else 0 (one tile of
-    ``BLOCK_R`` columns, masked past the rank)."""
+    slot's rank, else 0 (one tile of ``BLOCK_R`` columns, masked past the rank): with a rank
+    table, in a pool wider than one chunk, for broadcast tiles (below 16 rows: their
+    multiply-adds grow with ``BLOCK_R``). ``tl.dot`` tiles keep the one masked tile: on the
+    H200 the loop's serial loads made a rank-64 slot's expand slower at 8-64 rows (session
+    11) than the tensor cores' work on masked columns costs."""
     follow = RANK_FOLLOWING and ranks is not None
-    return RANK_CHUNK if follow and max_rank > RANK_CHUNK and not pipelined else 0
+    return RANK_CHUNK if follow and max_rank > RANK_CHUNK and not use_dot else 0
 
 
 def _compact(ranks: Tensor | None) -> bool:
@@ -243,7 +246,7 @@ def launch_expand(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
             BLOCKS_PER_ITEM=per_item, NUM_STAGES=3 if per_item > 1 else 1, USE_DOT=cfg.use_dot,
             DOT_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32", OVERWRITE=overwrite,
-            HAS_RANKS=ranks is not None, RANK_CHUNK=_rank_chunk(ranks, max_rank, per_item > 1),
+            HAS_RANKS=ranks is not None, RANK_CHUNK=_rank_chunk(ranks, max_rank, cfg.use_dot),
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=y.device)
         # fmt: on
 
@@ -367,7 +370,7 @@ def _delta_plan(
         USE_DOT=ecfg.use_dot, CAST_F32=f32, S_PRECISION="tf32x3" if f32 else "tf32",
         E_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
         OVERWRITE=overwrite, HAS_RANKS=ranks is not None, MAX_TILES=DELTA_MAX_TILES,
-        RANK_CHUNK=_rank_chunk(ranks, max_rank, per_item > 1), COMPACT=_compact(ranks),
+        RANK_CHUNK=_rank_chunk(ranks, max_rank, ecfg.use_dot), COMPACT=_compact(ranks),
     )
     # fmt: on
     sig = fast_launch.signature(_delta_kernel)
@@ -540,9 +543,8 @@ def launch_expand_silu_mul(
         1, min(n_blocks, blocks_per_program or _run_length(tiles, n_blocks, y.device))
     )
     grid = (tiles, cdiv(n_blocks, per_program))
-    # the rank loop where the tile's work is ALU-bound (broadcast tiles below 16 rows) or its
-    # column loop is one block long; else one masked BLOCK_R tile in a pipelined loop
-    chunk = _rank_chunk(ranks, max_rank, cfg.use_dot and per_program > 1)
+    # broadcast tiles loop over rank chunks (their column loop then is not pipelined)
+    chunk = _rank_chunk(ranks, max_rank, cfg.use_dot)
     with _device_guard(y):
         # fmt: off
         fast_launch.launch(_expand_silu_mul_kernel, grid, (
