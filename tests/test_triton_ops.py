@@ -631,9 +631,9 @@ WIDE_RANKS = {1: 40, 2: 1, 3: 20, 4: 33}
         (32, RANKS, 37, True),
         (48, WIDE_RANKS, 37, True),
         (48, WIDE_RANKS, 3, True),
-        (48, WIDE_RANKS, 37, False),
+        (48, WIDE_RANKS, 3, False),
     ],
-    ids=["r8", "r32", "r48-chunks", "r48-chunks-3rows", "r48-masked"],
+    ids=["r8", "r32", "r48", "r48-3rows", "r48-masked-3rows"],
 )
 def test_columns_past_a_slots_rank_are_not_read(
     dtype, max_rank, slot_ranks, n, follow, monkeypatch
@@ -641,11 +641,11 @@ def test_columns_past_a_slots_rank_are_not_read(
     """With ``ranks``, every kernel skips a slot's A rows and B columns from its rank on
     (rounded up to a multiple of 16 in a pool whose ``max_rank`` is one): garbage put there
     changes nothing (without ``ranks`` it does), and the results equal the float64 reference
-    of the clean pool; h stays exact (0 past the rank). In pools wider than 16 the shrink
-    numbers only a slot's live columns (``COMPACT``), and the expands' broadcast tiles (3
-    rows) loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot); at 37
-    rows (``tl.dot`` tiles) one masked tile. ``follow=False``: the benchmark switch
-    ``RANK_FOLLOWING`` off (max_rank tiles, masked)."""
+    of the clean pool; h stays exact (0 past the rank). In pools wider than 16 the shrink's
+    tiles of 3 rows (broadcast tiles) number only a slot's live columns (``COMPACT``) and
+    the expands loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot);
+    37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked. ``follow=False``: the
+    benchmark switch ``RANK_FOLLOWING`` off (masked tiles at 3 rows too)."""
     monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     targets = {**TARGETS, "gate_up": GATE_UP}
     clean = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, seed=21)

@@ -154,8 +154,8 @@ if HAVE_TRITON:
         rows = offs_m.to(tl.int64)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if COMPACT:  # column j of the block: slice j // rank, rank column j % rank
-            # (S - 1 compares, not a division by a runtime value: that cost the H200 2-4% of
-            # a decode step, each thread dividing every element of its A tile's columns)
+            # (S - 1 compares, not a division by a runtime value, which each thread would
+            # repeat for every element of its A tile's columns)
             s = offs_j * 0
             for i in tl.static_range(1, SR // R):
                 s += (offs_j >= i * rank).to(tl.int32)

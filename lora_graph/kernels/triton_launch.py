@@ -148,15 +148,16 @@ def launch_shrink(
             R=max_rank, SR=sr, G_POW2=max(16, next_pow2(g)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
             USE_DOT=cfg.use_dot, CAST_F32=f32, DOT_PRECISION="tf32x3" if f32 else "tf32",
-            HAS_RANKS=ranks is not None, COMPACT=_compact(ranks),
+            HAS_RANKS=ranks is not None, COMPACT=_compact(ranks, cfg.use_dot),
         ), num_warps=cfg.num_warps, num_stages=cfg.num_stages, device=x.device)
         # fmt: on
 
 
-# Whether the kernels' work follows each slot's rank (given a rank table): the shrink numbers
-# only a slot's live columns (COMPACT) and a decode expand loops over RANK_CHUNK rank columns
-# at a time up to the slot's rank (broadcast tiles, below 16 rows; _rank_chunk says why
-# only those). False: tiles of max_rank columns, masked past the rank
+# Whether the kernels' work follows each slot's rank (given a rank table) in broadcast tiles
+# (below 16 rows: 1-4 rows at decode): the shrink numbers only a slot's live columns
+# (COMPACT) and the expands loop over RANK_CHUNK rank columns at a time up to the slot's
+# rank (_compact and _rank_chunk say why not in tl.dot tiles). Either way the loads skip
+# what lies past a slot's rank. False: tiles of max_rank columns, masked past the rank
 # (the bytes still follow the rank, the instructions do not). A benchmark switch
 # (bench/decode.py's rank_loop); measured in bench/RESULTS.md, session 11.
 RANK_FOLLOWING = True
@@ -175,9 +176,12 @@ def _rank_chunk(ranks: Tensor | None, max_rank: int, use_dot: bool) -> int:
     return RANK_CHUNK if follow and max_rank > RANK_CHUNK and not use_dot else 0
 
 
-def _compact(ranks: Tensor | None) -> bool:
-    """Whether the shrink numbers only each slot's live columns (``COMPACT``)."""
-    return RANK_FOLLOWING and ranks is not None
+def _compact(ranks: Tensor | None, use_dot: bool) -> bool:
+    """Whether the shrink numbers only each slot's live columns (``COMPACT``): with a rank
+    table, for broadcast tiles (below 16 rows). On the H200 (session 11) it made batch 1
+    with a rank-8 adapter in a rank-64 pool 5% faster, and mixed ranks at 8-64 rows 3-8%
+    slower (its column mapping then divided by the rank; not measured since)."""
+    return RANK_FOLLOWING and ranks is not None and not use_dot
 
 
 def _run_length(tiles: int, n_blocks: int, device: torch.device) -> int:
@@ -370,7 +374,8 @@ def _delta_plan(
         USE_DOT=ecfg.use_dot, CAST_F32=f32, S_PRECISION="tf32x3" if f32 else "tf32",
         E_PRECISION="tf32x3" if y.dtype == torch.float32 else "tf32",
         OVERWRITE=overwrite, HAS_RANKS=ranks is not None, MAX_TILES=DELTA_MAX_TILES,
-        RANK_CHUNK=_rank_chunk(ranks, max_rank, ecfg.use_dot), COMPACT=_compact(ranks),
+        RANK_CHUNK=_rank_chunk(ranks, max_rank, ecfg.use_dot),
+        COMPACT=_compact(ranks, scfg.use_dot),
     )
     # fmt: on
     sig = fast_launch.signature(_delta_kernel)
