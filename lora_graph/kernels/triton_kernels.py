@@ -154,12 +154,9 @@ if HAVE_TRITON:
         rows = offs_m.to(tl.int64)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if COMPACT:  # column j of the block: slice j // rank, rank column j % rank
-            # (S - 1 compares, not a division by a runtime value, which each thread would
-            # repeat for every element of its A tile's columns)
-            s = offs_j * 0
-            for i in tl.static_range(1, SR // R):
-                s += (offs_j >= i * rank).to(tl.int32)
-            r = offs_j - s * rank
+            rank_d = tl.maximum(rank, 1)
+            s = offs_j // rank_d
+            r = offs_j % rank_d
             mask_j = offs_j < (SR // R) * rank
             mask_a = mask_j
         else:  # column j: slice j // R, rank column j % R

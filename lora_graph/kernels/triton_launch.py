@@ -180,7 +180,8 @@ def _compact(ranks: Tensor | None, use_dot: bool) -> bool:
     """Whether the shrink numbers only each slot's live columns (``COMPACT``): with a rank
     table, for broadcast tiles (below 16 rows). On the H200 (session 11) it made batch 1
     with a rank-8 adapter in a rank-64 pool 5% faster, and mixed ranks at 8-64 rows 3-8%
-    slower (its column mapping then divided by the rank; not measured since)."""
+    slower (its column mapping divides by the rank for each element of a thread's A tile:
+    a suspect, not measured)."""
     return RANK_FOLLOWING and ranks is not None and not use_dot
 
 
