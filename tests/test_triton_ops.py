@@ -628,12 +628,13 @@ WIDE_RANKS = {1: 40, 2: 1, 3: 20, 4: 33}
     "max_rank, slot_ranks, n, follow",
     [
         (MAX_RANK, RANKS, 37, True),
+        (MAX_RANK, RANKS, 3, True),
         (32, RANKS, 37, True),
         (48, WIDE_RANKS, 37, True),
         (48, WIDE_RANKS, 3, True),
         (48, WIDE_RANKS, 3, False),
     ],
-    ids=["r8", "r32", "r48", "r48-3rows", "r48-masked-3rows"],
+    ids=["r8", "r8-3rows", "r32", "r48", "r48-3rows", "r48-masked-3rows"],
 )
 def test_columns_past_a_slots_rank_are_not_read(
     dtype, max_rank, slot_ranks, n, follow, monkeypatch
