@@ -648,10 +648,17 @@ def test_columns_past_a_slots_rank_are_not_read(
     37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked. ``follow=False``: the
     benchmark switch ``RANK_FOLLOWING`` off (masked tiles at 3 rows too)."""
     monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
+    check_ranks_skipped(dtype, max_rank, slot_ranks, n, "cpu")
+
+
+def check_ranks_skipped(dtype, max_rank: int, slot_ranks: dict[int, int], n: int, device):
+    """:func:`test_columns_past_a_slots_rank_are_not_read` on ``device``."""
     targets = {**TARGETS, "gate_up": GATE_UP}
-    clean = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, seed=21)
-    dirty = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, seed=21)
-    ranks = torch.tensor([slot_ranks.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32)
+    clean = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, device=device, seed=21)
+    dirty = Pool(targets, slot_ranks, max_rank, NUM_SLOTS, dtype, device=device, seed=21)
+    ranks = torch.tensor(
+        [slot_ranks.get(s, 0) for s in range(NUM_SLOTS)], dtype=torch.int32, device=device
+    )
     for name, t in targets.items():
         a, b = dirty.stacks(name)
         for slot in range(NUM_SLOTS):
@@ -660,13 +667,13 @@ def test_columns_past_a_slots_rank_are_not_read(
             a[slot].view(t.num_slices, max_rank, -1)[:, read:] = 1e3
             b[slot, :, read:] = -1e3
     groups = mixed_groups(n - 7) if n > 7 else [(3, 1), (0, 0), (1, 1)]  # + base rows
-    routing = make_routing(groups, pad_to=8)
+    routing = make_routing(groups, device=device, pad_to=8)
     g = torch.Generator().manual_seed(3)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for name in ("qkv", "down"):
         t = targets[name]
-        x = torch.randn(n, t.in_features, generator=g).to(dtype)
-        y0 = torch.randn(n, t.out_features, generator=g).to(dtype)
+        x = torch.randn(n, t.in_features, generator=g).to(device, dtype)
+        y0 = torch.randn(n, t.out_features, generator=g).to(device, dtype)
         h64, y64, _ = reference64(clean, name, x, y0, routing)
         a, b = dirty.stacks(name)
         h = T.shrink(x, a, t.num_slices, *routing, ranks=ranks)
@@ -677,8 +684,9 @@ def test_columns_past_a_slots_rank_are_not_read(
         y_blind = y0.clone()
         T.expand_(y_blind, T.shrink(x, a, t.num_slices, *routing), b, list(t.out_slices), *routing)
         assert rel_err(y_blind, y64) > 1e-1  # the garbage is read without ranks
-        w = torch.randn(t.out_features, t.in_features, generator=g).to(dtype)
-        _, d, _ = reference64(clean, name, x, torch.zeros(n, t.out_features), routing)
+        w = torch.randn(t.out_features, t.in_features, generator=g).to(device, dtype)
+        zeros = torch.zeros(n, t.out_features, device=device)
+        _, d, _ = reference64(clean, name, x, zeros, routing)
         _, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing,
                                 ranks=ranks)  # fmt: skip
         torch.testing.assert_close(
@@ -690,8 +698,8 @@ def test_columns_past_a_slots_rank_are_not_read(
         T.delta_(y1, x, a, b, list(t.out_slices), *routing, ranks=ranks)
         torch.testing.assert_close(y1.double(), y64, rtol=tol, atol=tol)
         assert workspace_is_zero()
-    x = torch.randn(n, 64, generator=g).to(dtype)
-    y = torch.randn(n, 80, generator=g).to(dtype)
+    x = torch.randn(n, 64, generator=g).to(device, dtype)
+    y = torch.randn(n, 80, generator=g).to(device, dtype)
     a, b = dirty.stacks("gate_up")
     ca, cb = clean.stacks("gate_up")
     h = T.shrink(x, a, 2, *routing, ranks=ranks)
@@ -1024,6 +1032,20 @@ def gpu_pools():
         return cache[hidden]
 
     return get
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "max_rank, slot_ranks", [(MAX_RANK, RANKS), (48, WIDE_RANKS)], ids=["r8", "r48"]
+)
+@pytest.mark.parametrize("n", [1, 3, 37])
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_columns_past_a_slots_rank_are_not_read(dtype, max_rank, slot_ranks, n):
+    """The compiled kernels given ``ranks`` (the rank-following paths at 1 and 3 rows, the
+    masked tiles at 37; :func:`test_columns_past_a_slots_rank_are_not_read`): garbage past
+    each slot's rank changes nothing, and every result equals the float64 reference."""
+    check_ranks_skipped(dtype, max_rank, slot_ranks, n, GPU)
 
 
 def popularity_groups(kind: str, n_lora: int, seed: int) -> list[tuple[int, int]]:
