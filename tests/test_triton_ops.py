@@ -646,7 +646,7 @@ def test_columns_past_a_slots_rank_are_not_read(
     tiles of 3 rows (broadcast tiles) number only a slot's live columns (``COMPACT``) and
     the expands loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot);
     37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked. ``follow=False``: the
-    benchmark switch ``RANK_FOLLOWING`` off (masked tiles at 3 rows too)."""
+    switch ``RANK_FOLLOWING`` off, its default (masked tiles at 3 rows too)."""
     monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     check_ranks_skipped(dtype, max_rank, slot_ranks, n, "cpu")
 
@@ -959,6 +959,7 @@ for n in (512, 2048):  # the gated MLP's fused expand + activation (prefill size
     y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
     T.expand_silu_mul(y2, torch.zeros(2, n, 16), b2, *routing)
 # a rank-64 pool told each slot's rank (decode): compact shrink columns, expand rank chunks
+T.RANK_FOLLOWING = True
 ranks = torch.full((9,), 16, dtype=torch.int32)
 a64 = slot_stack(torch.zeros(9, 192 * 4096, dtype=torch.bfloat16), 0, (192, 4096))
 b64 = slot_stack(torch.zeros(9, 6144 * 64, dtype=torch.bfloat16), 0, (6144, 64))
@@ -1041,10 +1042,15 @@ def gpu_pools():
 @pytest.mark.parametrize("n", [1, 3, 37])
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_columns_past_a_slots_rank_are_not_read(dtype, max_rank, slot_ranks, n):
-    """The compiled kernels given ``ranks`` (the rank-following paths at 1 and 3 rows, the
-    masked tiles at 37; :func:`test_columns_past_a_slots_rank_are_not_read`): garbage past
-    each slot's rank changes nothing, and every result equals the float64 reference."""
+@pytest.mark.parametrize("follow", [True, False], ids=["follow", "masked"])
+def test_gpu_columns_past_a_slots_rank_are_not_read(
+    dtype, max_rank, slot_ranks, n, follow, monkeypatch
+):
+    """The compiled kernels given ``ranks`` (``follow``: ``RANK_FOLLOWING`` on, the
+    rank-following paths at 1 and 3 rows; the masked tiles at 37 and without it;
+    :func:`test_columns_past_a_slots_rank_are_not_read`): garbage past each slot's rank
+    changes nothing, and every result equals the float64 reference."""
+    monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     check_ranks_skipped(dtype, max_rank, slot_ranks, n, GPU)
 
 

@@ -158,9 +158,12 @@ def launch_shrink(
 # (COMPACT) and the expands loop over RANK_CHUNK rank columns at a time up to the slot's
 # rank (_compact and _rank_chunk say why not in tl.dot tiles). Either way the loads skip
 # what lies past a slot's rank. False: tiles of max_rank columns, masked past the rank
-# (the bytes still follow the rank, the instructions do not). A benchmark switch
-# (bench/decode.py's rank_loop); measured in bench/RESULTS.md, session 11.
-RANK_FOLLOWING = True
+# (the bytes still follow the rank, the instructions do not). Off by default until its
+# values are checked on a GPU (tests/test_triton_ops.py's
+# test_gpu_columns_past_a_slots_rank_are_not_read; session 11 timed it on the H200, batch 1
+# with a rank-8 adapter in a rank-64 pool 5% faster, but ran no GPU test that gives the
+# kernels a rank table). A benchmark switch (bench/decode.py's rank_loop).
+RANK_FOLLOWING = False
 # Rank columns an expand tile takes at a time when it loops up to its slot's rank
 RANK_CHUNK = 16
 
