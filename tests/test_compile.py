@@ -202,8 +202,8 @@ def test_a_dropped_pipeline_frees_its_memory(tiny):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rope_kv_op_in_a_compiled_step_equals_eager(tiny, monkeypatch, mode):
-    """RoPE and the KV write through the one op (``blocks.ROPE_KV_OP``, off by default until
-    its kernel is timed on a GPU) inside an inductor-compiled step: the op is in the graph,
+    """RoPE and the KV write through the one op (``blocks.ROPE_KV_OP``, off by default: it
+    timed slower on the H200's LoRA steps) inside an inductor-compiled step: the op is in the graph,
     inductor writes the caches in place through it, and prefill chunks then decodes (which
     read what earlier steps wrote) equal the eager pipeline's on the default path."""
     from lora_graph.models import blocks

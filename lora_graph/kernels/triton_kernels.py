@@ -278,6 +278,7 @@ if HAVE_TRITON:
             else:
                 delta = tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
         else:  # chunks of RANK_CHUNK columns up to the slot's rank: its cost follows its rank
+            tl.static_assert(not USE_DOT, "rank chunks are for broadcast tiles (_rank_chunk)")
             r_stop = rank
             if OVERWRITE:  # rows of slot 0 (base rows, padding) store 0 without reading h or B
                 r_stop = tl.where(slot > 0, rank, 0)
@@ -289,10 +290,7 @@ if HAVE_TRITON:
                              mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
                 bt = tl.load(b_rows + offs_r[None, :] * stride_br,
                              mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-                if USE_DOT:
-                    delta = tl.dot(ht, tl.trans(bt), delta, input_precision=DOT_PRECISION)
-                else:
-                    delta += tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
+                delta += tl.sum(ht[:, None, :] * bt[None, :, :], axis=2)
 
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
         mask = mask_m[:, None] & mask_c[None, :]
@@ -510,6 +508,7 @@ if HAVE_TRITON:
                         dg = tl.sum(hg[:, None, :] * bg[None, :, :], axis=2)
                         du = tl.sum(hu[:, None, :] * bu[None, :, :], axis=2)
                 else:
+                    tl.static_assert(not USE_DOT, "rank chunks are for broadcast tiles")
                     dg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     du = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     for r0 in range(0, r_stop, RANK_CHUNK):
@@ -525,12 +524,8 @@ if HAVE_TRITON:
                         bg = tl.load(bq_ptrs, mask=mask_bq, other=0.0).to(tl.float32)
                         bu = tl.load(bq_ptrs + HALF * stride_bn, mask=mask_bq,
                                      other=0.0).to(tl.float32)
-                        if USE_DOT:
-                            dg = tl.dot(hgq, tl.trans(bg), dg, input_precision=DOT_PRECISION)
-                            du = tl.dot(huq, tl.trans(bu), du, input_precision=DOT_PRECISION)
-                        else:
-                            dg += tl.sum(hgq[:, None, :] * bg[None, :, :], axis=2)
-                            du += tl.sum(huq[:, None, :] * bu[None, :, :], axis=2)
+                        dg += tl.sum(hgq[:, None, :] * bg[None, :, :], axis=2)
+                        du += tl.sum(huq[:, None, :] * bu[None, :, :], axis=2)
                     # y's tiles loaded after the rank loop: not live across it
                     g = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
                     u = tl.load(y_ptrs + HALF * stride_yn, mask=mask, other=0.0).to(tl.float32)

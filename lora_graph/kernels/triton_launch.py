@@ -175,8 +175,7 @@ def _rank_chunk(ranks: Tensor | None, max_rank: int, use_dot: bool) -> int:
     multiply-adds grow with ``BLOCK_R``). ``tl.dot`` tiles keep the one masked tile: on the
     H200 the loop's serial loads made a rank-64 slot's expand slower at 8-64 rows (session
     11) than the tensor cores' work on masked columns costs."""
-    follow = RANK_FOLLOWING and ranks is not None
-    return RANK_CHUNK if follow and max_rank > RANK_CHUNK and not use_dot else 0
+    return RANK_CHUNK if _compact(ranks, use_dot) and max_rank > RANK_CHUNK else 0
 
 
 def _compact(ranks: Tensor | None, use_dot: bool) -> bool:
