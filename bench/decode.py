@@ -35,12 +35,6 @@ pipeline each, captured after the variant's switches are set), e.g.
                        a slot's live columns and the expand loops over 16-column rank
                        chunks up to the slot's rank; 0, the default: max_rank tiles
                        masked past it)
-    priority=none|side|main
-                       CUDA stream priorities in the captured step: side, the LoRA side
-                       stream high (triton_launch.SIDE_PRIORITY -1); main, the captured
-                       step's own stream high (cache.CAPTURE_PRIORITY -1: the base GEMMs
-                       first); none, the default: both 0. It changes the base step too
-                       with main: compare the variants' (b)
 """
 
 from __future__ import annotations
@@ -226,7 +220,7 @@ def time_peft_step(
 
 VARIANT_SWITCHES = (
     "fused_silu", "overwrite", "fused_delta", "k_steps", "ranks", "slot_ranks", "rope_kv",
-    "rank_loop", "priority",
+    "rank_loop",
 )  # fmt: skip
 
 
@@ -258,11 +252,6 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
                 raise SystemExit(
                     f"variant {name!r}: k_steps must be an integer >= 0, got {value!r}"
                 )
-        elif key == "priority":
-            if value not in ("none", "side", "main"):
-                raise SystemExit(
-                    f"variant {name!r}: priority must be none, side or main, got {value!r}"
-                )
         elif value not in ("0", "1"):
             raise SystemExit(f"variant {name!r}: {key} must be 0 or 1, got {value!r}")
         switches[key] = value
@@ -272,7 +261,6 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
 def apply_switches(switches: dict[str, str]) -> None:
     """Set the module switches of a variant (the defaults for those not named)."""
     import lora_graph.ops as ops
-    from lora_graph.compile import cache
     from lora_graph.kernels import triton_launch
     from lora_graph.models import blocks
 
@@ -282,9 +270,6 @@ def apply_switches(switches: dict[str, str]) -> None:
     triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"
     triton_launch.DELTA_K_STEPS = int(switches.get("k_steps", "0"))
     triton_launch.RANK_FOLLOWING = switches.get("rank_loop", "0") == "1"
-    priority = switches.get("priority", "none")
-    triton_launch.SIDE_PRIORITY = -1 if priority == "side" else 0
-    cache.CAPTURE_PRIORITY = -1 if priority == "main" else 0
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:

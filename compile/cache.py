@@ -32,11 +32,6 @@ from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, is_base_only, node
 from lora_graph.routing import Routing
 
 Mode = Literal["inductor", "cudagraph"]
-# The CUDA stream priority a step is captured on (lower is higher; 0 the default). Its
-# kernels keep it at replay (PyTorch instantiates graphs with
-# cudaGraphInstantiateFlagUseNodePriority); -1 puts the main stream's kernels (the base
-# GEMMs) ahead of the LoRA side stream's. A benchmark switch (bench/decode.py's priority).
-CAPTURE_PRIORITY = 0
 
 
 @dataclass
@@ -200,14 +195,14 @@ class GraphCache:
                 fn()
                 graph.runner = fn
                 return
-            stream = torch.cuda.Stream(priority=CAPTURE_PRIORITY)
+            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     fn()
             torch.cuda.current_stream().wait_stream(stream)
             cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph, pool=self._mempool, stream=stream):
+            with torch.cuda.graph(cuda_graph, pool=self._mempool):
                 out = fn()
 
             def replay(g: torch.cuda.CUDAGraph = cuda_graph, out: Tensor = out) -> Tensor:

@@ -92,7 +92,6 @@ def test_serve_smoke_with_arrivals(tmp_path):
         ("x:ranks=4,ranks=8", "switch 'ranks=8' is given twice"),
         ("x:k_steps=-1", "k_steps must be an integer >= 0, got '-1'"),
         ("x:k_steps=\u00b2", "k_steps must be an integer >= 0, got '\u00b2'"),
-        ("x:priority=high", "priority must be none, side or main, got 'high'"),
     ],
 )
 def test_decode_variant_specs_refused_with_their_cause(spec, message):

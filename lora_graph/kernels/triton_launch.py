@@ -619,13 +619,7 @@ def delta_(
                  ranks=ranks, plans=plans)  # fmt: skip
 
 
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-# The CUDA stream priority of the side stream (lower is higher; 0 the default, -1 high). A
-# captured kernel keeps its stream's priority at replay (PyTorch instantiates graphs with
-# cudaGraphInstantiateFlagUseNodePriority), so a high-priority side stream's programs are
-# scheduled before the base GEMM's waiting ones. A benchmark switch (bench/decode.py's
-# priority).
-SIDE_PRIORITY = 0
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 # Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
 # adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
@@ -644,10 +638,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get((index, SIDE_PRIORITY))
+    stream = _SIDE_STREAMS.get(index)
     if stream is None:
-        stream = torch.cuda.Stream(device=index, priority=SIDE_PRIORITY)
-        _SIDE_STREAMS[index, SIDE_PRIORITY] = stream
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
 
 
