@@ -31,9 +31,9 @@ pipeline each, captured after the variant's switches are set), e.g.
                        default: torch ops that torch.compile fuses itself). It changes the
                        base step too: compare the variants' (b), the LoRA pipeline's
                        base-only step
-    rank_loop=0|1      triton_launch.RANK_FOLLOWING (1: at 1-4 rows the shrink numbers only
-                       a slot's live columns and the expand loops over 16-column rank
-                       chunks up to the slot's rank; 0, the default: max_rank tiles
+    rank_loop=0|1      triton_launch.RANK_FOLLOWING (1, the default: at 1-4 rows the
+                       shrink numbers only a slot's live columns and the expand loops over
+                       16-column rank chunks up to the slot's rank; 0: max_rank tiles
                        masked past it)
 """
 
@@ -269,7 +269,7 @@ def apply_switches(switches: dict[str, str]) -> None:
     triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
     triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"
     triton_launch.DELTA_K_STEPS = int(switches.get("k_steps", "0"))
-    triton_launch.RANK_FOLLOWING = switches.get("rank_loop", "0") == "1"
+    triton_launch.RANK_FOLLOWING = switches.get("rank_loop", "1") == "1"
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:

@@ -646,7 +646,7 @@ def test_columns_past_a_slots_rank_are_not_read(
     tiles of 3 rows (broadcast tiles) number only a slot's live columns (``COMPACT``) and
     the expands loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot);
     37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked. ``follow=False``: the
-    switch ``RANK_FOLLOWING`` off, its default (masked tiles at 3 rows too)."""
+    switch ``RANK_FOLLOWING`` off (masked tiles at 3 rows too; on is the default)."""
     monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
     check_ranks_skipped(dtype, max_rank, slot_ranks, n, "cpu")
 
@@ -959,7 +959,7 @@ for n in (512, 2048):  # the gated MLP's fused expand + activation (prefill size
     y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
     T.expand_silu_mul(y2, torch.zeros(2, n, 16), b2, *routing)
 # a rank-64 pool told each slot's rank (decode): compact shrink columns, expand rank chunks
-T.RANK_FOLLOWING = True
+assert T.RANK_FOLLOWING
 ranks = torch.full((9,), 16, dtype=torch.int32)
 a64 = slot_stack(torch.zeros(9, 192 * 4096, dtype=torch.bfloat16), 0, (192, 4096))
 b64 = slot_stack(torch.zeros(9, 6144 * 64, dtype=torch.bfloat16), 0, (6144, 64))

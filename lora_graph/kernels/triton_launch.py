@@ -158,12 +158,12 @@ def launch_shrink(
 # (COMPACT) and the expands loop over RANK_CHUNK rank columns at a time up to the slot's
 # rank (_compact and _rank_chunk say why not in tl.dot tiles). Either way the loads skip
 # what lies past a slot's rank. False: tiles of max_rank columns, masked past the rank
-# (the bytes still follow the rank, the instructions do not). Off by default until its
-# values are checked on a GPU (tests/test_triton_ops.py's
-# test_gpu_columns_past_a_slots_rank_are_not_read; session 11 timed it on the H200, batch 1
-# with a rank-8 adapter in a rank-64 pool 5% faster, but ran no GPU test that gives the
-# kernels a rank table). A benchmark switch (bench/decode.py's rank_loop).
-RANK_FOLLOWING = False
+# (the bytes still follow the rank, the instructions do not). On the H200 (sessions 11 and
+# 12) a rank-8 adapter alone in a rank-64 pool cost +13-14% a decode step over base at
+# batch 1 without it and +8% with it; its values are checked against float64 on the GPU
+# (tests/test_triton_ops.py's test_gpu_columns_past_a_slots_rank_are_not_read) and under
+# the interpreter. A benchmark switch (bench/decode.py's rank_loop).
+RANK_FOLLOWING = True
 # Rank columns an expand tile takes at a time when it loops up to its slot's rank
 RANK_CHUNK = 16
 
@@ -181,9 +181,9 @@ def _rank_chunk(ranks: Tensor | None, max_rank: int, use_dot: bool) -> int:
 def _compact(ranks: Tensor | None, use_dot: bool) -> bool:
     """Whether the shrink numbers only each slot's live columns (``COMPACT``): with a rank
     table, for broadcast tiles (below 16 rows). On the H200 (session 11) it made batch 1
-    with a rank-8 adapter in a rank-64 pool 5% faster, and mixed ranks at 8-64 rows 3-8%
-    slower (its column mapping divides by the rank for each element of a thread's A tile:
-    a suspect, not measured)."""
+    with a rank-8 adapter in a rank-64 pool 5% faster, and mixed ranks at 8-64 rows (its
+    ``tl.dot`` tiles) 3-8% slower, for a reason not found (a suspect, not measured: the
+    column mapping's division by the slot's runtime rank)."""
     return RANK_FOLLOWING and ranks is not None and not use_dot
 
 
