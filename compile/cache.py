@@ -84,6 +84,15 @@ class GraphCache:
             raise ValueError(f"mode must be inductor or cudagraph, got {mode!r}")
         if mode == "cudagraph" and pipeline.device.type != "cuda":
             raise ValueError("cudagraph mode needs a CUDA device")
+        manager = getattr(pipeline, "manager", None)
+        interpreted = manager is not None and manager.config.backend == "triton"
+        if interpreted and pipeline.device.type != "cuda":
+            # the LoRA layers call the Triton interpreter's launches directly
+            raise ValueError(
+                "LoRAConfig backend='triton' off CUDA runs Triton's interpreter, which "
+                "torch.compile cannot trace: serve it without compiling, or compile with "
+                "backend 'auto' or 'torch'"
+            )
         token_buckets = sorted(set(token_buckets))
         if not token_buckets or token_buckets[0] < 1:
             raise ValueError(f"token buckets must be positive, got {token_buckets}")

@@ -842,6 +842,33 @@ def test_pipeline_on_triton_matches_torch_backend(
             assert err <= 1.5 * err_torch + 2e-3, (adapter, err, err_torch)
 
 
+@interp
+def test_compiling_the_interpreted_backend_is_refused_by_name(tiny_factory):
+    """``backend="triton"`` on the CPU calls the Triton interpreter's launches directly,
+    which ``torch.compile`` cannot trace: asking to compile it is refused with the cause,
+    before anything is traced (it was a dynamo traceback from deep inside the interpreter,
+    ``bench/decode.py --smoke --backend triton --mode inductor``), and the pipeline still
+    serves eagerly."""
+    from conftest import prompts, run_prefill
+
+    from lora_graph import LoRAConfig
+    from lora_graph.models import LlamaPipeline
+
+    t = tiny_factory("tied")
+    pipe = LlamaPipeline(
+        str(t.base),
+        max_batch_size=2,
+        max_seq_len=32,
+        lora=LoRAConfig(max_slots=2, max_rank=16, backend="triton"),
+    )
+    pipe.manager.load_adapter(str(t.adapters["A"]), name="A")
+    with pytest.raises(ValueError, match="torch.compile cannot trace"):
+        pipe.enable_compile("inductor", token_buckets=(2,), progress=False)
+    assert pipe.graphs is None
+    (out,) = run_prefill(pipe, prompts(1, seed=5, min_len=3, max_len=3), ["A"])
+    assert torch.isfinite(out).all()
+
+
 def test_interpreter_suite_in_subprocess():
     """Runs the interpreter tests in a fresh process when they could not run in this one."""
     if INTERPRETED:
