@@ -85,8 +85,8 @@ class GraphCache:
         if mode == "cudagraph" and pipeline.device.type != "cuda":
             raise ValueError("cudagraph mode needs a CUDA device")
         manager = getattr(pipeline, "manager", None)
-        interpreted = manager is not None and manager.config.backend == "triton"
-        if interpreted and pipeline.device.type != "cuda":
+        triton_backend = manager is not None and manager.config.backend == "triton"
+        if triton_backend and pipeline.device.type != "cuda":
             # the LoRA layers call the Triton interpreter's launches directly
             raise ValueError(
                 "LoRAConfig backend='triton' off CUDA runs Triton's interpreter, which "
