@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 
 from lora_graph.config import AdapterError, LoRAConfig
-from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams
+from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
 from lora_graph.manager import NoFreeSlotError
 
 EXIT_BAD_INPUT = 2
@@ -315,12 +315,7 @@ def _request_from_json(
     elif "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise ValueError("prompt must be a string")
-        try:
-            obj["prompt"].encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"prompt is not valid Unicode text ({e.reason} at {e.start})"
-            ) from None
+        check_text(obj["prompt"], "prompt")
         if tokenizer is None:
             raise ValueError("the model has no tokenizer; give prompt_token_ids")
         ids = tokenizer(obj["prompt"])["input_ids"]
@@ -408,6 +403,11 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         spec.partition("=")[0] for spec in args.lora
     }:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
+    if args.prompt is not None:
+        try:
+            check_text(args.prompt, "--prompt")
+        except ValueError as e:
+            raise CliError(str(e)) from None
     lines = _read_request_lines(args.requests) if args.requests else []
     engine, tokenizer = _engine_from_args(args)
     defaults = SamplingParams(
@@ -477,10 +477,7 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
         elif tokenizer is None:
             raise ValueError("the model has no tokenizer; give input_ids")
         else:
-            try:
-                obj["text"].encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"text is not valid Unicode ({e.reason} at {e.start})") from None
+            check_text(obj["text"], "text")
             if args.truncate:  # as sentence-transformers: cut, then the closing special token
                 ids = tokenizer(obj["text"], truncation=True, max_length=limit)["input_ids"]
             else:

@@ -97,6 +97,21 @@ class SamplingParams:
 MIN_TEMPERATURE = 1e-2
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse text no tokenizer can encode, naming ``what`` (a request's prompt, a
+    message, an input to embed): a Python ``str`` may hold lone surrogates (a JSON
+    ``"\\ud800"`` escape; a command line's undecodable bytes, kept by Python's
+    ``surrogateescape``), which are not Unicode scalar values and have no UTF-8 form.
+
+    Raises:
+        ValueError: ``"{what} is not valid Unicode text ({reason} at {index})"``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text ({e.reason} at {e.start})") from None
+
+
 @dataclass
 class Request:
     """One generation request: prompt token ids and the adapter it runs under (None: base)."""

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lora_graph.config import AdapterError
-from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams
+from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
 
 try:  # the "serve" extra
     from fastapi import FastAPI
@@ -87,11 +87,13 @@ class APIError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status)
+        if kind is None:  # a client's error (400, 405, 413, ...) or the server's
+            kind = "invalid_request_error" if 400 <= self.status < 500 else "server_error"
         return {
             "error": {
                 "message": self.message,
-                "type": kind.get(self.status, "server_error"),
+                "type": kind,
                 "param": self.param,
                 "code": self.status,
             }
@@ -451,7 +453,10 @@ def _path_under(path: str, roots: list[str]) -> bool:
 
 class _Guard:
     """ASGI middleware: the API key, checked before the body is read, and the body size
-    limit (a plain ASGI wrapper, so a handler still sees its client hang up)."""
+    limit (a plain ASGI wrapper, so a handler still sees its client hang up). A body with a
+    ``Content-Length`` over the limit is refused unread; one without (``Transfer-Encoding:
+    chunked``) is read here up to the limit, refused as soon as it passes it, and else
+    handed on whole."""
 
     def __init__(self, app: Any, config: ServerConfig) -> None:
         self.app = app
@@ -466,16 +471,47 @@ class _Guard:
         key = self.config.api_key
         if scope["path"] != "/health" and key is not None:
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme != "Bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+            # (an auth scheme's name is case-insensitive: RFC 9110, section 11.1)
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.encode(), key.encode()
+            ):
                 error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
         length = headers.get("content-length", "")
         limit = self.config.max_request_bytes
         if error is None and length.isdigit() and int(length) > limit:
             error = APIError(413, f"the request body is over {limit} bytes")
+        elif error is None and not length.isdigit():  # a chunked body, or none
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client hung up
+                    return
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    error = APIError(413, f"the request body is over {limit} bytes")
+                    break
+                if not message.get("more_body", False):
+                    receive = _replay(bytes(body), receive)
+                    break
         if error is None:
             await self.app(scope, receive, send)
         else:
             await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """An ASGI ``receive`` that first gives ``body`` whole, then what ``receive`` gives (a
+    client's hang-up)."""
+    given = False
+
+    async def replay() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastAPI:
@@ -538,9 +574,24 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code
-        )
+        message = str(exc.detail)
+        cause = exc.__cause__  # FastAPI's "There was an error parsing the body": say why
+        if isinstance(cause, UnicodeDecodeError):
+            message = (
+                f"the body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at "
+                f"{cause.start})"
+            )
+        elif isinstance(cause, RecursionError):
+            message = "the body's JSON nests too deeply"
+        elif isinstance(cause, ValueError):  # e.g. an integer of too many digits
+            message = f"the body is not valid JSON ({cause})"
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code)
+
+    def text_or_400(text: str, what: str, param: str) -> None:
+        try:
+            check_text(text, what)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
 
     def adapter_of(model: str) -> str | None:
         if model == config.model_name:
@@ -862,6 +913,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             raw = [raw]  # one text, or one list of token ids
         if not raw:
             raise APIError(400, "input is empty", param="input")
+        for i, x in enumerate(raw):
+            if isinstance(x, str):
+                text_or_400(x, f"input {i}" if len(raw) > 1 else "input", "input")
         try:  # off the event loop
             rows = await asyncio.to_thread(
                 lambda: [x if isinstance(x, list) else tokenizer(x)["input_ids"] for x in raw]
@@ -889,6 +943,7 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if isinstance(body.prompt, str):
+            text_or_400(body.prompt, "prompt", "prompt")
             limit = engine.pipeline.max_seq_len
             try:  # off the event loop: a long prompt must not stall other connections
                 prompt_ids = await asyncio.to_thread(
@@ -910,6 +965,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                 param="messages",
             )
         messages = [m.template_dict() for m in body.messages]
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                text_or_400(value, f"messages[{i}].{key}", "messages")
         try:
             prompt_ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False

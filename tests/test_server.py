@@ -222,7 +222,11 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict types
         ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
         ({"model": MODEL, "prompt": [True]}, "prompt"),
-        ({"model": MODEL, "prompt": "\ud800"}, "cannot be tokenized"),  # a lone surrogate
+        # a lone surrogate: named, not the tokenizer's own error
+        (
+            {"model": MODEL, "prompt": "a\ud800"},
+            "prompt is not valid Unicode text (surrogates not allowed at 1)",
+        ),
         ({"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
     ],
 )
@@ -257,8 +261,60 @@ def test_not_json_unknown_route_and_body_limit(served):
             timeout=10,
         )
         assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+        def chunks(n: int):  # no Content-Length: httpx sends it chunked
+            body = json.dumps({"model": MODEL, "prompt": "x" * n, "max_tokens": 1}).encode()
+            for i in range(0, len(body), 100):
+                yield body[i : i + 100]
+
+        r = httpx.post(
+            served.url + "/v1/completions", content=chunks(2000), headers=json_type, timeout=10
+        )
+        assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"], r.text
+        r = httpx.post(  # under the limit, chunked: read whole and served
+            served.url + "/v1/completions", content=chunks(10), headers=json_type, timeout=30
+        )
+        assert r.status_code == 200, r.text
     finally:
         served.config.max_request_bytes = S.ServerConfig(MODEL).max_request_bytes
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b'{"model": "m", "prompt": "caf\xe9"}', "the body is not valid UTF-8 (byte 0xe9 at 29)"),
+        (b"[" * 100_000 + b"]" * 100_000, "the body's JSON nests too deeply"),
+    ],
+    ids=["latin-1", "deep"],
+)
+def test_bodies_that_cannot_be_parsed_get_400_naming_why(served, content, match):
+    """A body FastAPI cannot parse for a reason other than JSON syntax (it answered only
+    "There was an error parsing the body"), and chat messages' text no tokenizer can
+    encode (it answered with the tokenizer's internals)."""
+    r = httpx.post(
+        served.url + "/v1/completions",
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"] == match, r.text
+    served.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "ok"},
+                                             {"role": "user", "content": "x\udc80"}]}  # fmt: skip
+        r = httpx.post(
+            served.url + "/v1/chat/completions",
+            content=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == (
+            "messages[1].content is not valid Unicode text (surrogates not allowed at 1)"
+        )
+    finally:
+        served.tokenizer.chat_template = None
 
 
 def test_models_lists_base_and_adapters(served, client):
@@ -389,13 +445,14 @@ def test_api_key(served):
         assert r.status_code == 401  # the key is checked before the body is read
         r = httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
-        ok = httpx.post(
-            served.url + "/v1/completions",
-            json=body,
-            headers={"Authorization": "Bearer sekret"},
-            timeout=30,
-        )
-        assert ok.status_code == 200
+        for scheme in ("Bearer", "bearer"):  # a scheme's name is case-insensitive
+            ok = httpx.post(
+                served.url + "/v1/completions",
+                json=body,
+                headers={"Authorization": f"{scheme} sekret"},
+                timeout=30,
+            )
+            assert ok.status_code == 200, scheme
         assert httpx.get(served.url + "/health", timeout=10).status_code == 200
     finally:
         served.config.api_key = None
