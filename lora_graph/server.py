@@ -998,6 +998,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         ]
         return {"object": "list", "data": data}
 
+    loading: set[str] = set()  # adapter names being read by a runtime load
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadBody) -> PlainTextResponse:
         if not config.allow_runtime_lora:
@@ -1013,27 +1015,41 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                 f"lora_name {body.lora_name[:80]!r} must be 1-64 letters, digits, '.', '_' or '-'",
                 param="lora_name",
             )
-        if await on_engine(lambda: manager.is_lora(body.lora_name)):
-            raise APIError(
-                400,
-                f"an adapter named {body.lora_name!r} is already loaded; unload it first",
-                param="lora_name",
-            )
+        name = body.lora_name
+        taken = APIError(
+            400, f"an adapter named {name!r} is already loaded; unload it first", param="lora_name"
+        )
+        if name in loading:
+            raise APIError(400, f"an adapter named {name!r} is being loaded", param="lora_name")
+        if await on_engine(lambda: manager.is_lora(name)):
+            raise taken
         if not _path_under(body.lora_path, config.lora_roots):
             raise APIError(
                 400,
                 f"lora_path {body.lora_path!r} is not under an allowed --lora-root",
                 param="lora_path",
             )
+        if name in loading:  # (another load of it began while the engine answered)
+            raise APIError(400, f"an adapter named {name!r} is being loaded", param="lora_name")
+        loading.add(name)
         start = time.perf_counter()
+
+        def add(read: Any) -> Any:  # on the engine thread: checked and added as one
+            if manager.is_lora(name):
+                raise taken
+            return manager.add_adapter(read)
+
         try:
             # the files are read on a worker thread: the engine keeps stepping meanwhile
-            read = await asyncio.to_thread(
-                manager.read_adapter, body.lora_path, name=body.lora_name
-            )
-            status = await on_engine(lambda: manager.add_adapter(read))
+            read = await asyncio.to_thread(manager.read_adapter, body.lora_path, name=name)
+            status = await on_engine(lambda: add(read))
         except (AdapterError, ValueError, OSError) as e:
-            raise APIError(400, f"adapter {body.lora_name!r}: {e}") from e
+            message = str(e)
+            if not message.startswith(f"adapter {name!r}"):
+                message = f"adapter {name!r}: {message}"
+            raise APIError(400, message) from e
+        finally:
+            loading.discard(name)
         metrics.adapter_load.observe(time.perf_counter() - start)
         return PlainTextResponse(
             f"Success: LoRA adapter '{body.lora_name}' added successfully ({status.name.lower()})."

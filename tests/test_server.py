@@ -343,6 +343,64 @@ def test_runtime_load_use_unload(served, client):
         client.completions.create(model="pirate2", prompt="hi", max_tokens=2)
 
 
+def test_concurrent_loads_of_one_name_succeed_once(served, monkeypatch):
+    """Six loads of one name at once (their reads overlap): exactly one is answered 200,
+    the others are refused by name, and the name serves the adapter that one loaded (a new
+    user's trial found several told "added successfully" while the last one's weights
+    replaced the others')."""
+    import concurrent.futures
+
+    manager = served.engine.pipeline.manager
+    read = manager.reader.load
+    monkeypatch.setattr(manager.reader, "load", lambda *a, **k: (time.sleep(0.3), read(*a, **k))[1])
+
+    def load(_):
+        return httpx.post(
+            served.url + "/v1/load_lora_adapter",
+            json={"lora_name": "twice", "lora_path": str(served.root / "pirate_copy")},
+            timeout=60,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(load, range(6)))
+    try:
+        ok = [r for r in answers if r.status_code == 200]
+        assert len(ok) == 1, [r.text for r in answers]
+        for r in answers:
+            if r.status_code != 200:
+                message = r.json()["error"]["message"]
+                assert r.status_code == 400 and "'twice' is" in message, r.text
+                assert "being loaded" in message or "already loaded" in message, r.text
+        got = httpx.post(
+            served.url + "/v1/completions",
+            json={"model": "twice", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0},
+            timeout=60,
+        )
+        assert got.json()["choices"][0]["text"] == text_of(
+            served, served.refs[(PROMPTS[0], "pirate")]
+        )
+    finally:
+        httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "twice"}, timeout=30)
+
+
+def test_a_refused_runtime_load_names_the_adapter_once(served):
+    """A DoRA adapter (not served) is refused with one clear line: the adapter's name once
+    (it was "adapter 'dora': adapter 'dora': use_dora ...")."""
+    bad = served.root / "dora"
+    if not bad.exists():
+        shutil.copytree(served.root / "pirate_copy", bad)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    r = httpx.post(
+        served.url + "/v1/load_lora_adapter",
+        json={"lora_name": "dora", "lora_path": str(bad)},
+        timeout=60,
+    )
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("adapter 'dora': "), r.text
+    assert message.count("'dora'") == 1 and "DoRA" in message, message
+
+
 def test_streams_flow_while_an_adapter_is_read(served, monkeypatch):
     """A runtime load reads its files off the engine thread: a stream in flight keeps
     getting tokens while the read takes a second."""
