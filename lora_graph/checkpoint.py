@@ -343,35 +343,38 @@ def parse_base_layer_key(key: str) -> str | None:
     return m.group("module").removeprefix(_PREFIXES[0]) if m else None
 
 
-def peft_targets_module(config: dict[str, Any], module: str) -> bool:
-    """Whether PEFT would put a LoRA layer on ``module`` (a base-model module name such as
-    ``model.layers.0.self_attn.q_proj``) under this config: PEFT's
+def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
+    """None when PEFT would put a LoRA layer on ``module`` (a base-model module name such
+    as ``model.layers.0.self_attn.q_proj``) under this config, else which field leaves it
+    out, as ``"adapter_config.json's <field> <value> <why>"``. PEFT's
     ``check_target_module_exists`` for ``target_modules`` (a regex string matched whole,
     ``"all-linear"``, or names matched as the key or its dotted tail), ``exclude_modules``,
     ``layers_to_transform`` and ``layers_pattern``. PEFT ignores the weights of a module it
     does not target, so an adapter carrying such weights is refused rather than served with
     them."""
+    where = "adapter_config.json's"
     exclude = config.get("exclude_modules")
     if exclude:
         if isinstance(exclude, str):
             if re.fullmatch(exclude, module):
-                return False
+                return f"{where} exclude_modules {exclude!r} excludes it"
         elif module in exclude or any(module.endswith(f".{e}") for e in exclude):
-            return False
+            return f"{where} exclude_modules {exclude!r} excludes it"
     targets = config.get("target_modules")
+    unselected = f"{where} target_modules {targets!r} does not select it"
     if targets == "all-linear":  # PEFT expands it to every linear but the output layer
-        return module.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens")
+        return None if module.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens") else unselected
     if isinstance(targets, str):
-        return re.fullmatch(targets, module) is not None
+        return None if re.fullmatch(targets, module) is not None else unselected
     if not targets:
-        return False
+        return unselected
     if module in targets:
-        return True
+        return None
     if not any(module.endswith(f".{t}") for t in targets):
-        return False
+        return unselected
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
-        return True
+        return None
     patterns = config.get("layers_pattern")
     match = None
     if not patterns:
@@ -381,10 +384,15 @@ def peft_targets_module(config: dict[str, Any], module: str) -> bool:
             match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
             if match is not None:
                 break
+    layer_fields = f"{where} layers_to_transform {layers!r}" + (
+        f" (layers_pattern {patterns!r})" if patterns else ""
+    )
     if match is None:
-        return False
+        return f"{layer_fields} finds no layer index in its name"
     index = int(match.group("idx"))
-    return index == layers if isinstance(layers, int) else index in layers
+    if index == layers if isinstance(layers, int) else index in layers:
+        return None
+    return f"{layer_fields} leaves out its layer {index}"
 
 
 def _span(layers: tuple[int, ...]) -> str:
@@ -598,11 +606,11 @@ class AdapterReader:
             except KeyError:
                 unmapped.append(module)
                 continue
-            if cfg and not peft_targets_module(cfg, module):
+            why = peft_untargeted_reason(cfg, module) if cfg else None
+            if why is not None:
                 raise AdapterError(
-                    f"adapter {name!r}: module {module} has LoRA weights, but "
-                    f"adapter_config.json's target_modules {cfg.get('target_modules')!r} does "
-                    "not select it (PEFT would load the adapter without them)"
+                    f"adapter {name!r}: module {module} has LoRA weights, but {why} (PEFT "
+                    "would load the adapter without them)"
                 )
             if embedding != (target.kind == "embedding"):
                 article = "an" if target.kind == "embedding" else "a"

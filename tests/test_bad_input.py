@@ -319,7 +319,20 @@ BAD_CONFIGS = [
         "module model.layers.0.mlp.down_proj has LoRA weights, but adapter_config.json's "
         "target_modules ['q_proj'] does not select it",
     ),
-    ({"layers_to_transform": [1]}, "module model.layers.0.mlp.down_proj has LoRA weights"),
+    (
+        {"layers_to_transform": [1]},
+        "module model.layers.0.mlp.down_proj has LoRA weights, but adapter_config.json's "
+        "layers_to_transform [1] leaves out its layer 0",
+    ),
+    (  # the field that leaves a module out is the one named (it was always target_modules)
+        {"exclude_modules": ["down_proj"]},
+        "module model.layers.0.mlp.down_proj has LoRA weights, but adapter_config.json's "
+        "exclude_modules ['down_proj'] excludes it",
+    ),
+    (
+        {"layers_to_transform": 1, "layers_pattern": "layers"},
+        "layers_to_transform 1 (layers_pattern 'layers') leaves out its layer 0",
+    ),
     ({"peft_type": "lora"}, "peft_type 'lora' is not LoRA"),
     ({"lora_alpha": 10**400}, "field 'lora_alpha' must be a finite number"),
     ({"target_modules": None}, "field 'target_modules' is missing or null"),
