@@ -215,7 +215,8 @@ _CONFIG_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
     "init_lora_weights": (lambda v: isinstance(v, (bool, str)), "true, false or a string"),
     "bias": (lambda v: isinstance(v, str), "a string"),
-    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    # (null: PEFT reads it as false, ``if self.use_dora``)
+    "use_dora": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "modules_to_save": (lambda v: v is None or _is_str_list(v), "a list of strings or null"),
 }
 
@@ -443,6 +444,9 @@ _CONFIG_FIELDS = frozenset(
         "megatron_core",
         "qalora_group_size",
         "eva_config",
+        # where PEFT offloads DoRA's and some initialisations' work (LoraRuntimeConfig): it
+        # changes no plain LoRA's weights or outputs, and PEFT does not save it
+        "runtime_config",
     }
 )
 # initialisations that rewrite the base weights (the adapter then needs that modified base)

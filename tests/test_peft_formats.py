@@ -121,6 +121,34 @@ def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"use_dora": None}, {"runtime_config": {"ephemeral_gpu_offload": True}}],
+    ids=["use_dora_null", "runtime_config"],
+)
+def test_config_values_peft_loads_as_plain_lora_are_served(tiny, tmp_path, extra):
+    """Config values PEFT loads as plain LoRA are served as PEFT serves them (a new user's
+    trial found them refused): ``use_dora: null`` (PEFT tests it for truth) and a
+    ``runtime_config`` (where PEFT offloads work; no plain LoRA's output changes)."""
+    src = tiny.adapters["A"]
+    out = tmp_path / "extra"
+    out.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **extra}))
+    (out / "adapter_model.safetensors").write_bytes(
+        (src / "adapter_model.safetensors").read_bytes()
+    )
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(out), name="extra")
+    batch = prompts(1, seed=53)
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["extra"])[0],
+        _peft_logits(tiny.base, out, batch)[0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
 def test_peft_trainable_tokens_adapter_is_refused(tiny, tmp_path):
     """PEFT's trainable tokens beside LoRA (``trainable_token_indices``) change embedding rows
     that plain LoRA does not: refused, never served without them."""
