@@ -650,6 +650,8 @@ class AdapterReader:
                     f"rank_pattern gives {r_cfg}"
                     if _pattern_value(rank_pattern, module, None) is not None
                     else f"r is {r_cfg}"
+                    if "r" in cfg
+                    else f"r is missing (PEFT's default: {r_cfg})"
                 )
                 raise AdapterError(
                     f"adapter {name!r}: module {module} has rank-{rank} tensors (lora_{a_name} "
@@ -700,7 +702,13 @@ class AdapterReader:
             raise AdapterError(
                 f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
                 f"({', '.join(self.targets)})"
-                + (f" and {len(info.unmapped) - 1} more" if len(info.unmapped) > 1 else "")
+                + (
+                    ", as is 1 more module"
+                    if len(info.unmapped) == 2
+                    else f", as are {len(info.unmapped) - 1} more modules"
+                    if len(info.unmapped) > 2
+                    else ""
+                )
             )
         if info.misfits:
             raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model")

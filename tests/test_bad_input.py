@@ -377,6 +377,20 @@ def test_bad_adapter_config_is_refused_naming_file_and_field(
     assert "'bad'" in err or str(path) in err
 
 
+def test_config_without_r_says_peft_default_applied(tiny, tmp_path):
+    """No ``r`` in the config of rank-4 tensors: the refusal says r is missing and PEFT's
+    default (8) applies, not that the file says 8."""
+    cfg = json.loads((tiny.adapters["B"] / "adapter_config.json").read_text())
+    del cfg["r"]
+    path = tmp_path / "no_r"
+    path.mkdir()
+    shutil.copy(tiny.adapters["B"] / "adapter_model.safetensors", path)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    pipe = make_pipeline(tiny, load=())
+    with pytest.raises(AdapterError, match=r"rank-4 tensors .* r is missing \(PEFT's default: 8\)"):
+        pipe.manager.check_adapter(str(path), name="no_r")
+
+
 Q = "base_model.model.model.layers.0.self_attn.q_proj"
 BAD_TENSORS = [
     (lambda w: {k.removeprefix("base_model.model."): v for k, v in w.items()},
