@@ -428,6 +428,13 @@ class _Choice:
 
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# request fields of several accepted forms: a value of none of them is refused with all
+# (pydantic reports the error of one form, e.g. "prompt.str: Input should be a valid string")
+_UNION_FIELDS = {
+    "prompt": "text or a list of token ids",
+    "input": "text, a list of texts, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+}
 
 
 def _path_under(path: str, roots: list[str]) -> bool:
@@ -564,7 +571,10 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = first.get("msg", "invalid request")
-        if first.get("type") == "extra_forbidden":
+        field_name = where.split(".", 1)[0]
+        if field_name in _UNION_FIELDS and where != field_name:  # one branch's error: say all
+            message, where = f"{field_name} must be {_UNION_FIELDS[field_name]}", field_name
+        elif first.get("type") == "extra_forbidden":
             message = f"unknown field {where!r}"
         elif first.get("type") == "json_invalid":
             message, where = "the body is not valid JSON", ""

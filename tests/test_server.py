@@ -222,6 +222,13 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict types
         ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
         ({"model": MODEL, "prompt": [True]}, "prompt"),
+        # a form not accepted: every accepted one named (it was "prompt.str: Input should be
+        # a valid string")
+        (
+            {"model": MODEL, "prompt": ["Once", "The dog"]},
+            "prompt must be text or a list of token ids",
+        ),
+        ({"model": MODEL, "prompt": "hi", "stop": 5}, "stop must be a string or a list of strings"),
         # a lone surrogate: named, not the tokenizer's own error
         (
             {"model": MODEL, "prompt": "a\ud800"},
