@@ -850,7 +850,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes",
         type=int,
         default=8 << 20,
-        help="larger request bodies are refused with 413 before they are read (default: 8 MiB)",
+        help="larger request bodies are refused with 413, before they are read when their "
+        "Content-Length says so (default: 8 MiB)",
     )
     srv.add_argument(
         "--shutdown-timeout",
