@@ -403,7 +403,8 @@ class ServerConfig:
         allow_runtime_lora: whether ``/v1/load_lora_adapter`` may load adapters.
         lora_roots: directories runtime loads may read from (resolved, symlinks followed).
         default_max_tokens: ``max_tokens`` when a request gives none.
-        max_request_bytes: larger request bodies are refused (413) before they are read.
+        max_request_bytes: larger request bodies are refused (413): before they are read
+            when their ``Content-Length`` says so, else once the bytes read pass it.
     """
 
     model_name: str
