@@ -201,6 +201,11 @@ def test_single_prompt_refused_exits_2(tiny, capsys):
     assert err.strip() == "error: --adapter 'Z' is not one of the --lora names"
     assert _run(tiny, ["--prompt", "hi", "--adapter", "A", "--temperature", "nan"]) == 2
     assert "--temperature must be a finite number" in capsys.readouterr().err
+    # undecodable bytes on the command line (Python keeps them as lone surrogates): one line,
+    # exit 2 (it was a tokenizer's TypeError traceback)
+    assert _run(tiny, ["--prompt", "caf\udce9"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --prompt is not valid Unicode text (surrogates not allowed at 3)"
 
 
 def test_progress_bar_on_stderr(tiny, tmp_path, capsys):
