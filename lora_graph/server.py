@@ -1027,30 +1027,28 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
                 param="lora_name",
             )
         name = body.lora_name
-        taken = APIError(
-            400, f"an adapter named {name!r} is already loaded; unload it first", param="lora_name"
-        )
-        if name in loading:
-            raise APIError(400, f"an adapter named {name!r} is being loaded", param="lora_name")
-        if await on_engine(lambda: manager.is_lora(name)):
-            raise taken
         if not _path_under(body.lora_path, config.lora_roots):
             raise APIError(
                 400,
                 f"lora_path {body.lora_path!r} is not under an allowed --lora-root",
                 param="lora_path",
             )
-        if name in loading:  # (another load of it began while the engine answered)
+        if name in loading:
             raise APIError(400, f"an adapter named {name!r} is being loaded", param="lora_name")
-        loading.add(name)
-        start = time.perf_counter()
+        taken = APIError(
+            400, f"an adapter named {name!r} is already loaded; unload it first", param="lora_name"
+        )
 
         def add(read: Any) -> Any:  # on the engine thread: checked and added as one
             if manager.is_lora(name):
                 raise taken
             return manager.add_adapter(read)
 
+        loading.add(name)  # (no await since the check above: one load of a name at a time)
+        start = time.perf_counter()
         try:
+            if await on_engine(lambda: manager.is_lora(name)):
+                raise taken  # before its files are read
             # the files are read on a worker thread: the engine keeps stepping meanwhile
             read = await asyncio.to_thread(manager.read_adapter, body.lora_path, name=name)
             status = await on_engine(lambda: add(read))
