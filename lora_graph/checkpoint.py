@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from lora_graph.config import AdapterError, AdapterInfo, is_finite_number, is_int
-from lora_graph.layout import SlotLayout
+from lora_graph.layout import AdapterImage, SlotLayout
 from lora_graph.targets import LoraModuleRef, LoraTarget
 
 ModuleMap = Callable[[str], LoraModuleRef | None]
@@ -396,6 +396,68 @@ def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
     return f"{layer_fields} leaves out its layer {index}"
 
 
+# PEFT's EMBEDDING_LAYER_NAMES: a target_modules entry ending in one of them (or a regex
+# matching one whole) asks for the tied pair under ensure_weight_tying
+_EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
+
+
+def peft_weight_ties(config: dict[str, Any], tied: Mapping[str, str]) -> dict[str, str]:
+    """The ties PEFT (0.21, ``LoraConfig.ensure_weight_tying``) applies under ``config``:
+    ``{tied module: input embedding module}`` (``{"lm_head": "model.embed_tokens"}``), or
+    ``{}``. ``tied`` is what the model ties to its input embedding (empty when the
+    checkpoint's ``tie_word_embeddings`` is false, as PEFT reads it).
+
+    PEFT's ``_check_tied_modules``: with ``ensure_weight_tying`` on a tied model whose
+    ``target_modules`` names an embedding layer (an entry whose last part is
+    ``embed_tokens`` or ``lm_head``; a regex string matching one of those whole), it adapts
+    the input embedding (adding it to ``target_modules``) and gives each tied module a LoRA
+    layer whose A and B *are* the embedding's B and A transposed (``target_modules_to_tie``),
+    whatever ``target_modules`` says of it. It saves ``target_modules`` so rewritten: the
+    LM head's weights are in the file, its name no longer in the config."""
+    if not config.get("ensure_weight_tying") or not tied:
+        return {}
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        asked = any(re.fullmatch(targets, n) for n in _EMBEDDING_LAYER_NAMES)
+    else:
+        asked = any(t.split(".")[-1] in _EMBEDDING_LAYER_NAMES for t in targets or [])
+    return dict(tied) if asked else {}
+
+
+def _with_ties(config: dict[str, Any], ties: Mapping[str, str]) -> dict[str, Any]:
+    """``config`` with ``target_modules`` as PEFT's ``_add_targets_to_tie`` rewrites it: the
+    input embedding added (the tied modules are targeted through their tie)."""
+    if not ties:
+        return config
+    targets = config.get("target_modules")
+    embeddings = sorted(set(ties.values()))
+    if isinstance(targets, str):
+        extra = "|".join(f"^{re.escape(e)}$" for e in embeddings)
+        return {**config, "target_modules": f"(?:{targets}|{extra})"}
+    return {**config, "target_modules": [*(targets or []), *embeddings]}
+
+
+def _tied_keys(keys: Collection[str], ties: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The tensor pairs PEFT's tying makes one: ``(tied module's lora_A, embedding's
+    lora_embedding_B)`` and ``(tied module's lora_B, embedding's lora_embedding_A)``, each
+    the other transposed; a key the file lacks is named as PEFT saves it."""
+    found: dict[tuple[str, str], str] = {}
+    for key in keys:
+        parsed = parse_lora_key(key)
+        if parsed is not None:
+            found[parsed[:2]] = key
+    pairs = []
+    for module, embedding in ties.items():
+        for ab, emb in (("A", "embedding_B"), ("B", "embedding_A")):
+            pairs.append(
+                (
+                    found.get((module, ab), f"{_PREFIXES[0]}{module}.lora_{ab}.weight"),
+                    found.get((embedding, emb), f"{_PREFIXES[0]}{embedding}.lora_{emb}"),
+                )
+            )
+    return pairs
+
+
 def _span(layers: tuple[int, ...]) -> str:
     return (
         f"{layers[0]}..{layers[-1]}"
@@ -467,6 +529,25 @@ class LoraModule:
     scale: float
 
 
+def _check_finite(name: str, key: str, tensor: Tensor) -> None:
+    """Refuse a LoRA tensor holding a NaN or an infinity: every request on the adapter
+    would produce NaN logits.
+
+    Raises:
+        AdapterError: naming the tensor, how many values are bad, and the first one's index.
+    """
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero()
+    first = tuple(int(i) for i in bad[0])
+    value = tensor[first].item()
+    raise AdapterError(
+        f"adapter {name!r}: tensor {key} holds {len(bad)} non-finite value"
+        f"{'s' if len(bad) > 1 else ''} ({value} at {list(first)})"
+    )
+
+
 class AdapterReader:
     """Validates and normalises adapters for one model's targets.
 
@@ -476,6 +557,9 @@ class AdapterReader:
         num_layers: layers of the model.
         ignored: checkpoint modules whose LoRA pairs cannot change what the model serves
             (a BERT pooler under sentence embeddings): skipped, not refused.
+        tied: checkpoint modules the model ties to its input embedding, each to the
+            embedding's module (``{"lm_head": "model.embed_tokens"}`` when it ties word
+            embeddings): PEFT's ``ensure_weight_tying`` (:func:`peft_weight_ties`).
     """
 
     def __init__(
@@ -484,11 +568,13 @@ class AdapterReader:
         module_map: ModuleMap,
         num_layers: int,
         ignored: frozenset[str] = frozenset(),
+        tied: Mapping[str, str] | None = None,
     ) -> None:
         self.targets = targets
         self.module_map = module_map
         self.num_layers = num_layers
         self.ignored = ignored
+        self.tied = dict(tied or {})
 
     def check_config(self, name: str, config: dict[str, Any]) -> None:
         """Refuse PEFT features this engine does not serve as plain LoRA.
@@ -538,6 +624,8 @@ class AdapterReader:
             AdapterError: if a module lacks its A or B.
         """
         cfg = src.config
+        ties = peft_weight_ties(cfg, self.tied) if cfg else {}
+        tied_cfg = _with_ties(cfg, ties)
         pairs: dict[str, dict[str, str]] = {}
         base_layers: dict[str, str] = {}
         unknown: list[str] = []
@@ -610,7 +698,7 @@ class AdapterReader:
             except KeyError:
                 unmapped.append(module)
                 continue
-            why = peft_untargeted_reason(cfg, module) if cfg else None
+            why = peft_untargeted_reason(tied_cfg, module) if cfg and module not in ties else None
             if why is not None:
                 raise AdapterError(
                     f"adapter {name!r}: module {module} has LoRA weights, but {why} (PEFT "
@@ -683,7 +771,38 @@ class AdapterReader:
 
     def info(self, name: str, src: AdapterSource) -> AdapterInfo:
         """The adapter's :class:`AdapterInfo`, read from its config and header alone."""
-        return self.modules(name, src, _read_shapes(src.weights_path))[1]
+        shapes = _read_shapes(src.weights_path)
+        self._complete_ties(name, src, shapes, lambda shape: tuple(reversed(shape)))
+        return self.modules(name, src, shapes)[1]
+
+    def _complete_ties(
+        self, name: str, src: AdapterSource, values: dict[str, Any], transpose: Callable
+    ) -> None:
+        """Give the half of a tied pair (:func:`peft_weight_ties`) the file lacks the other
+        half transposed, as PEFT's tying does on load; with both halves, refuse them unless
+        equal (PEFT would serve whichever it loaded last).
+
+        Raises:
+            AdapterError: naming the two tensors that should be one.
+        """
+        ties = peft_weight_ties(src.config, self.tied) if src.config else {}
+        for key, other in _tied_keys(list(values), ties):
+            if key in values and other in values:
+                a, b = values[key], values[other]
+                same = (
+                    a == transpose(b)
+                    if isinstance(a, tuple)
+                    else a.shape == transpose(b).shape and bool(torch.equal(a, transpose(b)))
+                )
+                if not same:
+                    raise AdapterError(
+                        f"adapter {name!r}: tensors {key} and {other} are tied "
+                        "(ensure_weight_tying) but are not each other's transpose"
+                    )
+            elif key in values:
+                values[other] = transpose(values[key])
+            elif other in values:
+                values[key] = transpose(values[other])
 
     def check(self, name: str, info: AdapterInfo, *, max_rank: int) -> None:
         """Refuse an adapter this deployment cannot serve.
@@ -721,11 +840,12 @@ class AdapterReader:
         *,
         max_rank: int,
         dtype: torch.dtype,
-    ) -> tuple[Tensor, int, dict[LoraModuleRef, Tensor]]:
-        """Validate and normalise an adapter into a flat slot image.
+    ) -> tuple[AdapterImage, int, dict[LoraModuleRef, Tensor]]:
+        """Validate and normalise an adapter into its slot image.
 
-        The image ``[layout.numel]`` (``dtype``, CPU) holds every target's A and B, with
-        ``scale`` folded into a copy of B and ranks below ``max_rank`` zero-padded; the
+        The :class:`~lora_graph.layout.AdapterImage` (``dtype``, CPU) holds the A and B of
+        each ``(target, layer)`` the adapter has, at the adapter's rank (a module of a
+        lower rank zero-padded to it), with ``scale`` folded into a copy of B; the
         checkpoint's tensors are not modified.
 
         Returns:
@@ -734,18 +854,30 @@ class AdapterReader:
             compare with the served model's.
 
         Raises:
-            AdapterError: for anything :meth:`check_config` or :meth:`check` refuses.
+            AdapterError: for anything :meth:`check_config` or :meth:`check` refuses, a LoRA
+                tensor holding a NaN or an infinity, or a B that overflows ``dtype`` once
+                scaled (each named).
         """
         self.check_config(name, src.config)
         tensors = _load_tensors(src.weights_path)
+        self._complete_ties(name, src, tensors, lambda t: t.T)
         modules, info = self.modules(name, src, {k: tuple(v.shape) for k, v in tensors.items()})
         self.check(name, info, max_rank=max_rank)
-        image = torch.zeros(layout.numel, dtype=dtype)
+        for m in modules:
+            for key in (m.a_key, m.b_key):
+                _check_finite(name, key, tensors[key])
+        blocks = sorted({(m.ref.target, m.ref.layer) for m in modules})
+        image = AdapterImage(layout, blocks, info.rank, dtype)
         for m in modules:
             target = self.targets[m.ref.target]
-            a = layout.a_view(image, m.ref.target, m.ref.layer)
-            b = layout.b_view(image, m.ref.target, m.ref.layer)
+            a = image.a(m.ref.target, m.ref.layer)
+            b = image.b(m.ref.target, m.ref.layer)
             a_t, b_t = tensors[m.a_key].float(), tensors[m.b_key].float() * m.scale
+            if not bool(torch.isfinite(b_t.to(dtype)).all()):
+                raise AdapterError(
+                    f"adapter {name!r}: tensor {m.b_key} times its scale {m.scale:g} overflows "
+                    f"{str(dtype).removeprefix('torch.')}"
+                )
             if target.kind == "embedding":  # stored transposed: [vocab, max_rank]
                 a[:, : m.rank].copy_(a_t.T)
                 b[:, : m.rank].copy_(b_t)

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -97,10 +98,7 @@ def build_engine(
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
-    for spec in loras:  # before anything is loaded or captured
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
+    _check_lora_specs(loras)  # before anything is loaded or captured
 
     try:
         model_dir = resolve_model_path(model)
@@ -159,6 +157,14 @@ def build_engine(
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = _eos_ids(model_dir, hf_config)
     return LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling), tokenizer
+
+
+def _check_lora_specs(loras: Sequence[str]) -> None:
+    """Raises CliError for a ``--lora`` value that is not ``NAME=PATH``."""
+    for spec in loras:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
@@ -573,14 +579,17 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     name = args.served_model_name or args.model
     if name in {spec.partition("=")[0] for spec in args.lora}:
         raise CliError(f"--lora {name!r}: the base model is served under that name")
-    with socket.socket() as probe:  # before the model loads: a taken port fails at once
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key is empty (leave it out to serve without a key)")
+    _check_lora_specs(args.lora)
+    # every flag is checked before the network is touched; the port before the model loads,
+    # so a taken port fails at once
+    with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((args.host, args.port))
         except OSError as e:
             raise CliError(f"--host {args.host} --port {args.port}: cannot bind ({e})") from e
-    if args.api_key is not None and not args.api_key.strip():
-        raise CliError("--api-key is empty (leave it out to serve without a key)")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"warning: serving on {args.host} without --api-key: anyone who can reach it may "

@@ -262,7 +262,10 @@ class LLMEngine:
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Validate and queue a request. A bad one finishes at once with an ``error``
-        naming the cause; nothing else is affected.
+        naming the cause; nothing else is affected. A request naming an adapter is bound
+        now to the version the name stands for (:meth:`LoRAManager.acquire`): a later
+        reload does not change what serves it; an unload before it is first admitted
+        finishes it with ``error="adapter 'x' was unloaded"``.
 
         Raises:
             ValueError: if a request of this id is unfinished, or its output has not been
@@ -276,7 +279,9 @@ class LLMEngine:
         try:
             self._validate(request)
         except ValueError as e:
-            self.finished[request.id] = RequestOutput(request.id, request.adapter, error=str(e))
+            self.finished[request.id] = RequestOutput(
+                request.id, request.adapter, error=str(e), arrival_time=time.perf_counter()
+            )
             return
         s = request.sampling
         generator = None
@@ -287,6 +292,10 @@ class LLMEngine:
             )
         seq = _Sequence(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
+        if request.adapter is not None:
+            # bound now to the version its name stands for: a reload before it runs does
+            # not change what serves it, an unload refuses it
+            seq.hold = self.pipeline.manager.acquire(request.adapter)
         self.waiting.append(seq)
         self._live.add(request.id)
 
@@ -299,10 +308,7 @@ class LLMEngine:
             for seq in queue:
                 if seq.request.id == request_id:
                     queue.remove(seq)
-                    self._finish(
-                        seq, RequestOutput(request_id, seq.request.adapter, seq.generated, None,
-                                           "aborted"),
-                    )  # fmt: skip
+                    self._finish(seq, self._output(seq, error="aborted"))
                     return True
         return False
 
@@ -324,6 +330,22 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} "
                 "fit (max_seq_len)"
             )
+
+    @staticmethod
+    def _output(
+        seq: _Sequence, *, reason: str | None = None, error: str | None = None
+    ) -> RequestOutput:
+        """The output of a request leaving with finish ``reason`` or ``error``: the tokens
+        it generated and its timings."""
+        return RequestOutput(
+            seq.request.id,
+            seq.request.adapter,
+            list(seq.generated),
+            reason,
+            error,
+            arrival_time=seq.arrival,
+            token_times=list(seq.token_times),
+        )
 
     def _finish(self, seq: _Sequence, output: RequestOutput) -> None:
         """A request leaves (it is out of the queues already): its output, and what it held
@@ -421,26 +443,21 @@ class LLMEngine:
             if self.pages.pages_for(len(seq.tokens)) + len(self.running) > self.pages.num_free:
                 break  # first come first served: later requests wait for pages too
             self.waiting.popleft()
-            if seq.adapter is not None and manager is not None:
-                hold = None
+            if seq.hold is not None:
+                fits = False
                 if first_blocked is None or seq.adapter in names:
-                    if seq.hold is None:  # new: take a hold on the adapter's current version
-                        try:
-                            hold = manager.admit(seq.adapter, names)
-                        except KeyError as e:  # unloaded while it waited
-                            out = RequestOutput(seq.request.id, seq.adapter, error=e.args[0])
-                            self._finish(seq, out)
-                            continue
-                    elif manager.can_activate(names | {seq.adapter}):
-                        hold = seq.hold  # preempted: it holds its version already
-                if hold is None:  # its adapter cannot take a slot beside the running ones yet
+                    try:
+                        fits = manager.admit(seq.hold, names)
+                    except KeyError as e:  # its version was unloaded while it waited
+                        self._finish(seq, self._output(seq, error=e.args[0]))
+                        continue
+                if not fits:  # its adapter cannot take a slot beside the running ones yet
                     first_blocked = first_blocked or seq
                     kept.append(seq)
                     if len(kept) >= 4 * limit:
                         break
                     continue
-                names.add(hold.key)
-                seq.hold = hold
+                names.add(seq.hold.key)
             if first_blocked is not None:
                 if first_blocked.bypassed >= limit:
                     kept.append(seq)  # (an adapter's new hold is kept for its next turn)
@@ -500,10 +517,7 @@ class LLMEngine:
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.adapter == key]:
                 queue.remove(seq)
-                self._finish(
-                    seq, RequestOutput(seq.request.id, seq.request.adapter, seq.generated, None,
-                                       error),
-                )  # fmt: skip
+                self._finish(seq, self._output(seq, error=error))
 
     def _run(self, scheduled: list[tuple[_Sequence, int]], previous: _InFlight | None) -> _InFlight:
         """Queue one step on the device and its greedy tokens' copy to the host. Nothing of
@@ -565,14 +579,7 @@ class LLMEngine:
             if bad_rows[row]:  # a fault of the model's numerics (a half-precision overflow)
                 self._leave(seq)
                 self._finish(
-                    seq,
-                    RequestOutput(
-                        seq.request.id,
-                        seq.request.adapter,
-                        seq.generated,
-                        None,
-                        "the model produced NaN logits for this request",
-                    ),
+                    seq, self._output(seq, error="the model produced NaN logits for this request")
                 )
                 continue
             token = (
@@ -588,17 +595,7 @@ class LLMEngine:
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._leave(seq)
-                self._finish(
-                    seq,
-                    RequestOutput(
-                        seq.request.id,
-                        seq.request.adapter,
-                        seq.generated,
-                        reason,
-                        arrival_time=seq.arrival,
-                        token_times=seq.token_times,
-                    ),
-                )
+                self._finish(seq, self._output(seq, reason=reason))
 
     def _leave(self, seq: _Sequence) -> None:
         """Take a request out of its queue (running, or waiting after a preemption)."""

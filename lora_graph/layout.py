@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lora_graph.targets import LoraTarget
@@ -55,3 +56,107 @@ class SlotLayout:
         _, b_off = self.blocks[(target, layer)]
         n = t.out_features * self.max_rank
         return slot[b_off : b_off + n].view(t.out_features, self.max_rank)
+
+    def write(self, slot: Tensor, image: AdapterImage) -> None:
+        """Overwrite a flat slot (any device) with ``image``: zeros, then each of its blocks
+        at its rank. The image crosses to the slot's device in one copy (asynchronous from
+        pinned memory); the blocks are then placed there."""
+        slot.zero_()
+        data = image.data.to(slot.device, non_blocking=True)
+        r = image.rank
+        for target, layer in image.offsets:  # (a slot's A is [S, R, K] or [vocab, R])
+            self.a_view(slot, target, layer)[:, :r].copy_(image.a(target, layer, data))
+            self.b_view(slot, target, layer)[:, :r].copy_(image.b(target, layer, data))
+
+    def read(self, slot: Tensor, rank: int) -> AdapterImage:
+        """A host image of a flat slot holding an adapter of ``rank``: its blocks with a
+        nonzero value, at that rank (the inverse of :meth:`write`)."""
+        blocks = [
+            (target, layer)
+            for target, layer in self.blocks
+            if bool(self.a_view(slot, target, layer).any())
+            or bool(self.b_view(slot, target, layer).any())
+        ]
+        image = AdapterImage(self, blocks, rank, slot.dtype)
+        for target, layer in blocks:
+            image.a(target, layer).copy_(self.a_view(slot, target, layer)[:, :rank])
+            image.b(target, layer).copy_(self.b_view(slot, target, layer)[:, :rank])
+        return image
+
+
+class AdapterImage:
+    """One adapter normalised for the slots, at its own targets and rank: for each
+    ``(target, layer)`` it has, ``A [num_slices, rank, in_features]`` (an embedding
+    target's: ``[vocab_size, rank]``, transposed as in a slot) and ``B [out_features,
+    rank]`` with the scale folded in, in one flat buffer (host memory; pinned on CUDA).
+
+    A slot holds every target at ``max_rank``; an image holds only what the adapter has,
+    so the host tier keeps about the adapter's own bytes (a rank-8 adapter on two
+    projections is not padded to every target at the pool's rank). :meth:`SlotLayout.write`
+    expands it into a slot; the blocks it lacks are zero there.
+
+    Args:
+        layout: the slot layout the image is written into.
+        blocks: the ``(target, layer)`` blocks the adapter has.
+        rank: the adapter's rank (its largest module's).
+        dtype: the slot dtype.
+        data: the flat buffer (None: zeros).
+    """
+
+    def __init__(
+        self,
+        layout: SlotLayout,
+        blocks: list[tuple[str, int]],
+        rank: int,
+        dtype: torch.dtype,
+        data: Tensor | None = None,
+    ) -> None:
+        self.rank = rank
+        self.layout = layout
+        self.targets = layout.targets
+        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        offset = 0
+        for key in sorted(blocks, key=lambda k: layout.blocks[k]):  # slot order
+            t = self.targets[key[0]]
+            a_off = offset
+            offset += t.num_slices * rank * t.in_features
+            self.offsets[key] = (a_off, offset)
+            offset += t.out_features * rank
+        self.numel = offset
+        self.data = torch.zeros(offset, dtype=dtype) if data is None else data
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the image's buffer."""
+        return self.data.numel() * self.data.element_size()
+
+    def a(self, target: str, layer: int, data: Tensor | None = None) -> Tensor:
+        """``A [num_slices, rank, in_features]`` (embedding: ``[vocab_size, rank]``) in the
+        image's buffer, or in ``data``, a copy of it (on another device)."""
+        t = self.targets[target]
+        a_off, b_off = self.offsets[(target, layer)]
+        flat = (self.data if data is None else data)[a_off:b_off]
+        if t.kind == "embedding":
+            return flat.view(t.in_features, self.rank)
+        return flat.view(t.num_slices, self.rank, t.in_features)
+
+    def b(self, target: str, layer: int, data: Tensor | None = None) -> Tensor:
+        """``B [out_features, rank]`` in the image's buffer, or in ``data`` (as :meth:`a`)."""
+        t = self.targets[target]
+        _, b_off = self.offsets[(target, layer)]
+        flat = (self.data if data is None else data)[b_off : b_off + t.out_features * self.rank]
+        return flat.view(t.out_features, self.rank)
+
+    def pin_memory(self) -> AdapterImage:
+        """Pin the image's buffer (on CUDA: slot loads then copy asynchronously); returns
+        the image."""
+        if not self.data.is_pinned():
+            self.data = self.data.pin_memory()
+        return self
+
+    def is_pinned(self) -> bool:
+        return self.data.is_pinned()
+
+    def write(self, slot: Tensor) -> None:
+        """Overwrite a flat slot with this image (:meth:`SlotLayout.write`)."""
+        self.layout.write(slot, self)

@@ -15,7 +15,7 @@ place, so nothing is recompiled and no weight is re-bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lora_graph import ops
 from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
-from lora_graph.layout import SlotLayout
+from lora_graph.layout import AdapterImage, SlotLayout
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
 from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
@@ -41,7 +41,7 @@ class ReadAdapter:
     name: str
     src: AdapterSource
     digest: str
-    image: Tensor | None
+    image: AdapterImage | None
     rank: int
 
 
@@ -59,6 +59,9 @@ class LoRAManager:
         ignored_modules: checkpoint modules whose LoRA pairs cannot change what the model
             serves: skipped when an adapter has them (every other unmapped module is
             refused).
+        tied_modules: checkpoint modules the model ties to its input embedding, each to the
+            embedding's module (PEFT's ``ensure_weight_tying``; see
+            :func:`lora_graph.checkpoint.peft_weight_ties`).
 
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new
@@ -79,6 +82,7 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device | str,
         ignored_modules: Collection[str] = (),
+        tied_modules: Mapping[str, str] | None = None,
     ) -> None:
         if config.targets is not None:
             unknown = set(config.targets) - set(targets)
@@ -93,7 +97,9 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = config.dtype or dtype
         self.layout = SlotLayout(targets, num_layers, config.max_rank)
-        self.reader = AdapterReader(targets, module_map, num_layers, frozenset(ignored_modules))
+        self.reader = AdapterReader(
+            targets, module_map, num_layers, frozenset(ignored_modules), tied_modules
+        )
         self.kernels = ops.kernels(config.backend, self.device)
         self.registry = AdapterRegistry()
         self.host = HostTier(
@@ -304,7 +310,7 @@ class LoRAManager:
                 f"adapter {name!r}: at most max_slots - 1 = {self.config.max_slots - 1} adapters "
                 "can be pinned"
             )
-        held = self.registry.held_keys()
+        held = self.registry.held_keys(admitted=True)
         if len(held | pinned | {name}) > self.config.max_slots:
             raise NoFreeSlotError(
                 f"adapter {name!r}: pinning it would leave too few of the "
@@ -318,15 +324,18 @@ class LoRAManager:
         had left the host tier: its file may be rewritten)."""
         image = self.host.pop(name)
         if image is None:
-            image = self.slots.read(name)
+            slot = self.slots.read(name)
+            if slot is not None:
+                image = self.layout.read(slot, self.registry.get(name).rank)
         alias, _ = self.registry.retire(name)
         self.slots.rename(name, alias)
         if alias not in self.host and image is not None:
             self.host.put(alias, image)
 
     def acquire(self, name: str) -> AdapterRef:
-        """Hold the current version of ``name`` for a request admitted under it: an unload
-        or a reload leaves that version served until :meth:`release`.
+        """Hold the current version of ``name`` for a request that names it, from its
+        arrival: a reload leaves that version served to it until :meth:`release`; an unload
+        refuses it unless it was admitted already (:meth:`admit`).
 
         Raises:
             KeyError: if ``name`` is not loaded (or is being unloaded).
@@ -356,7 +365,7 @@ class LoRAManager:
             self.slots.evict(key)
             self.host.pop(key)
 
-    def _host_image(self, entry: LoadedAdapter) -> Tensor:
+    def _host_image(self, entry: LoadedAdapter) -> AdapterImage:
         """The adapter's host image, read back from its file if it left the host tier.
 
         Raises:
@@ -418,18 +427,21 @@ class LoRAManager:
         pinned_other = sum(1 for a in self.registry.entries() if a.pinned and a.name not in names)
         return len(names) <= self.config.max_slots - pinned_other
 
-    def admit(self, name: str, running: set[str]) -> AdapterRef | None:
-        """The scheduler's one call to admit a request under adapter ``name`` beside the
-        adapters of ``running``: its hold, or None if the slots cannot take it now.
+    def admit(self, ref: AdapterRef, running: set[str]) -> bool:
+        """The scheduler's one call to admit a request holding ``ref`` (taken by
+        :meth:`acquire` when it arrived) beside the adapters of ``running``: whether the
+        slots can take it now (it is then marked admitted).
 
         Raises:
-            KeyError: if ``name`` is not loaded (it was unloaded while the request waited).
+            KeyError: ``"adapter 'x' was unloaded"`` if its version was unloaded before it
+                was first admitted (a request admitted before, then preempted, runs on).
         """
-        if not self.registry.is_lora(name):
-            raise KeyError(f"adapter {name!r} was unloaded")
-        if not self.can_activate(running | {name}):
-            return None
-        return self.registry.acquire(name)
+        if ref.unloaded and not ref.admitted:
+            raise KeyError(f"adapter {ref.name!r} was unloaded")
+        if not self.can_activate(running | {ref.key}):
+            return False
+        ref.admitted = True
+        return True
 
     def activate_batch(self, batch: Sequence[HasAdapter]) -> None:
         """Make every adapter of ``batch`` active, protecting them from each other's eviction.

@@ -242,6 +242,7 @@ class PipelineModelWithKVCache(abc.ABC):
                 dtype=self.dtype,
                 device=self.device,
                 ignored_modules=self.lora_ignored_modules(),
+                tied_modules=self.lora_tied_modules(),
             )
         self._weights = weights
         self.model = self.load_model()
@@ -380,6 +381,18 @@ class PipelineModelWithKVCache(abc.ABC):
         """Checkpoint modules whose LoRA pairs cannot change what the model serves, skipped
         when an adapter has them (default: none; every unmapped module is refused)."""
         return ()
+
+    def lora_tied_modules(self) -> dict[str, str]:
+        """Checkpoint modules the model ties to its input embedding, each to the
+        embedding's module, as PEFT finds them (``_get_module_names_tied_with_embedding``):
+        the ``lm_head`` target's module tied to the ``embed_tokens`` target's when the
+        checkpoint's ``tie_word_embeddings`` is true; else none."""
+        targets = self.lora_targets()
+        if not getattr(self.hf_config, "tie_word_embeddings", False):
+            return {}
+        if "lm_head" not in targets or "embed_tokens" not in targets:
+            return {}
+        return {targets["lm_head"].checkpoint_names[0]: targets["embed_tokens"].checkpoint_names[0]}
 
     def lora_module_path(self, target: str, layer: int) -> str:
         """A target's module path at ``layer``, from the table's ``module_path``."""

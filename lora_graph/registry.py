@@ -26,13 +26,18 @@ class LoRAStatus(enum.Enum):
 
 @dataclass(eq=False)
 class AdapterRef:
-    """A request's hold on the version of an adapter it was admitted under. ``key`` is what
-    its batch rows route by: the adapter's name while that version is current,
-    ``name@<digest prefix>`` once a reload replaced it (the registry updates it in place)."""
+    """A request's hold on the version of an adapter its name stood for when the request
+    arrived. ``key`` is what its batch rows route by: the adapter's name while that version
+    is current, ``name@<digest prefix>`` once a reload replaced it (the registry updates it
+    in place). ``admitted``: the request has been admitted to run (it then finishes on this
+    version even if it is unloaded). ``unloaded``: the version was unloaded while the
+    request held it; one not yet admitted is refused."""
 
     name: str
     digest: str
     key: str
+    admitted: bool = False
+    unloaded: bool = False
 
 
 @dataclass
@@ -81,8 +86,13 @@ class AdapterRegistry:
         """Whether a request in flight holds ``key``."""
         return bool(self._holds.get(key))
 
-    def held_keys(self) -> set[str]:
-        return {key for key, holds in self._holds.items() if holds}
+    def held_keys(self, *, admitted: bool = False) -> set[str]:
+        """The keys requests in flight hold (``admitted``: only those of admitted requests)."""
+        return {
+            key
+            for key, holds in self._holds.items()
+            if any(ref.admitted or not admitted for ref in holds)
+        }
 
     def is_unloading(self, key: str) -> bool:
         return key in self._unloading
@@ -96,6 +106,8 @@ class AdapterRegistry:
     def keep(self, name: str) -> None:
         """Cancel a pending unload of ``name`` (it was loaded again with the same weights)."""
         self._unloading.discard(name)
+        for ref in self._holds.get(name, []):
+            ref.unloaded = False
 
     def drop(self, key: str) -> None:
         """Forget an unheld version at once."""
@@ -103,7 +115,7 @@ class AdapterRegistry:
         self._unloading.discard(key)
 
     def acquire(self, name: str) -> AdapterRef:
-        """Hold the current version of ``name`` for a request admitted under it.
+        """Hold the current version of ``name`` for a request that names it.
 
         Raises:
             KeyError: if ``name`` is not loaded (or is being unloaded).
@@ -144,7 +156,9 @@ class AdapterRegistry:
         return alias, merged
 
     def begin_unload(self, name: str) -> None:
-        """Refuse new requests for ``name``; it is freed by :meth:`purge` once unheld.
+        """Refuse new requests for ``name``, and mark the holds on it ``unloaded`` (the
+        requests not yet admitted are then refused); it is freed by :meth:`purge` once
+        unheld.
 
         Raises:
             KeyError: if ``name`` is not loaded.
@@ -152,6 +166,8 @@ class AdapterRegistry:
         if not self.is_lora(name):
             raise KeyError(f"adapter {name!r} is not loaded")
         self._unloading.add(name)
+        for ref in self._holds.get(name, []):
+            ref.unloaded = True
 
     def purge(self, running: frozenset[str]) -> list[str]:
         """Forget versions being unloaded that no request holds and the running batch does

@@ -7,7 +7,8 @@ FastAPI routes, uvicorn serving, FastAPI's server-sent events for ``stream: true
   template): ``model`` names the base model or a loaded adapter; ``max_tokens``,
   ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stop_token_ids``,
   ``n``, ``ignore_eos``, ``stream`` and ``stream_options``. Streamed responses are OpenAI's
-  chunk objects, then a usage chunk, then ``[DONE]``. ``logprobs`` is refused (400).
+  chunk objects, then (only with ``stream_options: {"include_usage": true}``, as OpenAI
+  and vLLM) a usage chunk with no choices, then ``[DONE]``. ``logprobs`` is refused (400).
 - ``POST /v1/embeddings`` (an encoder, ``models/bert.py``): sentence embeddings of a text,
   texts or token-id lists, under the adapter ``model`` names; ``encoding_format`` float or
   base64. An encoder serves only this route; a decoder every other.
@@ -849,7 +850,9 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
             )
 
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = body.stream_options is None or body.stream_options.include_usage
+        # OpenAI and vLLM send the usage chunk (no choices) only when asked for it: a client
+        # reading chunk.choices[0] of every chunk would fail on it
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def sse(data: Any) -> bytes:  # FastAPI's SSE wire format
             return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))

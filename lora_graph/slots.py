@@ -10,9 +10,25 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
+
+
+class SlotImage(Protocol):
+    """What the host tier holds and a slot is filled from
+    (:class:`lora_graph.layout.AdapterImage`): host memory that can be pinned, and that
+    writes itself into a flat slot whole."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def is_pinned(self) -> bool: ...
+
+    def pin_memory(self) -> SlotImage: ...
+
+    def write(self, slot: Tensor) -> None: ...
 
 
 class NoFreeSlotError(RuntimeError):
@@ -27,19 +43,24 @@ class HostTier:
         self.capacity = capacity
         self.pin = pin
         self._spare = spare
-        self._images: OrderedDict[str, Tensor] = OrderedDict()
+        self._images: OrderedDict[str, SlotImage] = OrderedDict()
 
     def __contains__(self, key: str) -> bool:
         return key in self._images
 
-    def get(self, key: str) -> Tensor | None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the images held."""
+        return sum(image.nbytes for image in self._images.values())
+
+    def get(self, key: str) -> SlotImage | None:
         """The image of ``key`` (marked most recently used), or None if it left the tier."""
         image = self._images.get(key)
         if image is not None:
             self._images.move_to_end(key)
         return image
 
-    def put(self, key: str, image: Tensor) -> Tensor:
+    def put(self, key: str, image: SlotImage) -> SlotImage:
         """Store (pinning it on CUDA) and mark most recently used; drop the least recently
         used unspared images beyond ``capacity``. Returns the stored image."""
         if self.pin and not image.is_pinned():
@@ -53,7 +74,7 @@ class HostTier:
             del self._images[victim]
         return image
 
-    def pop(self, key: str) -> Tensor | None:
+    def pop(self, key: str) -> SlotImage | None:
         return self._images.pop(key, None)
 
 
@@ -63,7 +84,7 @@ class SlotPool:
 
     Args:
         num_slots: slots including slot 0.
-        numel: elements of one slot image (:class:`~lora_graph.layout.SlotLayout`).
+        numel: elements of one slot (:class:`~lora_graph.layout.SlotLayout`).
         dtype, device: of the pool.
     """
 
@@ -97,7 +118,7 @@ class SlotPool:
     def activate(
         self,
         key: str,
-        image: Callable[[], Tensor],
+        image: Callable[[], SlotImage],
         *,
         protected: Callable[[str], bool],
         prefer: Callable[[str], bool],
@@ -117,7 +138,7 @@ class SlotPool:
             self.hits += 1
             return slot
         slot = self._free_slot(protected, prefer)
-        self.pool[slot].copy_(image(), non_blocking=True)
+        image().write(self.pool[slot])
         self.ranks[slot] = torch.iinfo(torch.int32).max if rank is None else rank
         self.loads += 1
         self._owner[key] = slot
@@ -147,6 +168,6 @@ class SlotPool:
             self._owner[new] = slot
 
     def read(self, key: str) -> Tensor | None:
-        """A host copy of ``key``'s slot image, or None if it holds no slot."""
+        """A host copy of ``key``'s slot, or None if it holds no slot."""
         slot = self._owner.get(key)
         return None if slot is None else self.pool[slot].to("cpu", copy=True)

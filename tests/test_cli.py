@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -101,6 +102,22 @@ def test_unloadable_adapter_exits_2_with_one_line(tiny, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "broken" in err[0] and "use_dora" in err[0] and "Traceback" not in err[0]
+
+
+def test_an_adapter_with_a_nan_weight_exits_2_at_start_up_naming_the_tensor(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny.adapters["A"], bad)
+    weights = load_file(str(bad / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    weights[key][0, 0] = float("nan")
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+    argv = ["generate", "--model", str(tiny.base), "--device", "cpu", "--lora", f"nan={bad}",
+            "--prompt", "hi"]  # fmt: skip
+    assert main(argv, stdout=io.StringIO()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"adapter 'nan': tensor {key} holds 1 non-finite value" in err[0]
 
 
 def test_missing_adapter_path_exits_2(tiny, capsys):

@@ -152,3 +152,121 @@ def test_unserved_embedding_and_lm_head_targets_refuse_such_adapters(tiny):
     ):
         pipe.manager.load_adapter(str(tiny.adapters["D"]), name="D")
     pipe.manager.load_adapter(str(tiny.adapters["A"]), name="A")  # the rest is served
+
+
+def _peft_logits(base_dir, adapter_dir, ids):
+    """transformers + peft loading ``adapter_dir`` on ``base_dir``: all-position logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base.eval(), adapter_dir).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _rewrite(src, dst, edit):
+    """A copy of the adapter at ``src`` with its tensors passed through ``edit``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "adapter_model.safetensors"))
+    save_file(edit(weights), str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+HEAD_A, HEAD_B = "base_model.model.lm_head.lora_A.weight", "base_model.model.lm_head.lora_B.weight"
+EMB_A = "base_model.model.model.embed_tokens.lora_embedding_A"
+
+
+@pytest.fixture(scope="module")
+def weight_tied(tiny_factory, tmp_path_factory):
+    """Adapters PEFT saves with ``ensure_weight_tying`` on the tied model: it rewrites
+    ``target_modules`` to name the input embedding only, and saves the LM head's A and B
+    (the embedding's B and A transposed) beside the embedding's."""
+    t = tiny_factory("tied")
+    root = tmp_path_factory.mktemp("weight_tied")
+    kwargs = dict(seed=81, factor=5.0, r=4, lora_alpha=8, ensure_weight_tying=True)
+    made = {
+        "list lm_head": make_peft_adapter(t.base, root / "l", target_modules=["lm_head"], **kwargs),
+        "list embed_tokens": make_peft_adapter(
+            t.base, root / "e", target_modules=["embed_tokens", "q_proj"], **kwargs
+        ),
+        "regex lm_head": make_peft_adapter(t.base, root / "r", target_modules="lm_head", **kwargs),
+    }
+    src = made["list lm_head"]
+    made["file without the LM head"] = _rewrite(
+        src, root / "no_head", lambda w: {k: v for k, v in w.items() if "lm_head.lora" not in k}
+    )
+    made["file without the embedding"] = _rewrite(
+        src, root / "no_emb", lambda w: {k: v for k, v in w.items() if "embed_tokens.lora" not in k}
+    )
+    return t, made
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "list lm_head",
+        "list embed_tokens",
+        "regex lm_head",
+        "file without the LM head",
+        "file without the embedding",
+    ],
+)
+def test_ensure_weight_tying_adapters_are_served_as_peft_loads_them(weight_tied, case):
+    """PEFT targets the LM head through its tie to the embedding although the saved
+    ``target_modules`` no longer names it, and gives the half of the tied pair a file
+    lacks the other half transposed: served equal to PEFT loading the same directory, in
+    a batch beside the base model."""
+    import json
+
+    t, made = weight_tied
+    path = made[case]
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["ensure_weight_tying"] is True
+    if case.startswith("list"):
+        assert "lm_head" not in config["target_modules"]  # as PEFT saved it
+    pipe = make_pipeline(t, load=())
+    pipe.manager.load_adapter(str(path), name="tied")
+    ids = prompts(1, seed=82)[0]
+    embed, _, logits = _prefill_trace(pipe, ids, ["tied", None])
+    expected = _peft_logits(t.base, path, ids)
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+    assert (logits[0] - logits[1]).abs().max() > 0.1
+    assert not torch.equal(embed[0], embed[1])  # the embedding is adapted too
+
+
+def test_tied_halves_that_differ_are_refused(weight_tied, tmp_path):
+    """Both halves of a tied pair in the file, not each other's transpose: PEFT would
+    serve whichever it loaded last; refused, naming the two tensors."""
+    t, made = weight_tied
+    bad = _rewrite(made["list lm_head"], tmp_path / "bad", lambda w: {**w, HEAD_B: w[HEAD_B] * 2})
+    pipe = make_pipeline(t, load=())
+    with pytest.raises(AdapterError, match=rf"tensors {HEAD_B} and {EMB_A} are tied"):
+        pipe.manager.load_adapter(str(bad), name="bad")
+
+
+def test_ensure_weight_tying_on_an_untied_model_ties_nothing(tiny, weight_tied):
+    """The same file on a model that does not tie its embeddings (same shapes): PEFT ties
+    nothing and drops the LM head's weights (its target_modules names only the
+    embedding), so serving them would differ from PEFT: refused, naming the field."""
+    _, made = weight_tied
+    path = made["list lm_head"]
+    ids = prompts(1, seed=83)[0]
+    with_head = _peft_logits(tiny.base, path, ids)
+    # PEFT indeed ignores the LM head's pair: dropping it from the file changes nothing
+    without = _rewrite(
+        path,
+        path.parent / "untied_no_head",
+        lambda w: {k: v for k, v in w.items() if "lm_head.lora" not in k},
+    )
+    torch.testing.assert_close(with_head, _peft_logits(tiny.base, without, ids))
+    pipe = make_pipeline(tiny, load=())
+    with pytest.raises(AdapterError, match="module lm_head has LoRA weights, but adapter_config"):
+        pipe.manager.load_adapter(str(path), name="x")
+    pipe.manager.load_adapter(str(without), name="y")
+    _, _, logits = _prefill_trace(pipe, ids, ["y"])
+    torch.testing.assert_close(logits[0], with_head, rtol=1e-4, atol=1e-4)

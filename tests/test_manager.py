@@ -335,6 +335,50 @@ def test_bad_adapter_is_refused_with_its_cause(tiny, tmp_path, case, match):
     assert torch.isfinite(out[0]).all()
 
 
+def _poisoned(value: float, key: str = f"{Q_PROJ}.lora_B.weight"):
+    """Tensors with ``value`` written at [3, 1] of ``key``."""
+
+    def edit(w):
+        t = w[key].clone()
+        t[3, 1] = value
+        return {**w, key: t}
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "value, key",
+    [
+        (float("nan"), f"{Q_PROJ}.lora_B.weight"),
+        (float("inf"), f"{Q_PROJ}.lora_B.weight"),
+        (float("-inf"), "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"),
+    ],
+)
+def test_a_non_finite_adapter_weight_is_refused_at_load_naming_the_tensor(
+    tiny, tmp_path, value, key
+):
+    """One NaN or infinity in a LoRA tensor would make every request on the adapter
+    produce NaN logits: the load is refused, naming the tensor, and the rest serves on."""
+    pipe = make_pipeline(tiny, load=("B",))
+    path = _copy_adapter(tiny.adapters["A"], tmp_path / "bad", tensors=_poisoned(value, key))
+    with pytest.raises(AdapterError, match=rf"adapter 'bad': tensor {key} holds 1 non-finite"):
+        pipe.manager.load_adapter(str(path), name="bad")
+    assert not pipe.manager.is_lora("bad") and "bad" not in pipe.manager.registry
+    out = run_prefill(pipe, prompts(2, seed=23), ["B", None])
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+def test_a_b_that_overflows_the_slot_dtype_once_scaled_is_refused(tiny, tmp_path):
+    """A finite float32 B times its scale (alpha/r = 2) past float16's largest value
+    would be an infinity in a float16 slot: refused, naming the tensor and the dtype."""
+    pipe = make_pipeline(tiny, load=(), slot_dtype=torch.float16)
+    path = _copy_adapter(tiny.adapters["A"], tmp_path / "big", tensors=_poisoned(60000.0))
+    with pytest.raises(
+        AdapterError, match=r"q_proj\.lora_B\.weight times its scale 2 overflows float16"
+    ):
+        pipe.manager.load_adapter(str(path), name="big")
+
+
 def test_rank_above_max_rank_is_refused(tiny):
     pipe = make_pipeline(tiny, max_rank=8, load=())
     with pytest.raises(AdapterError, match="rank 16 is above max_rank 8"):
@@ -715,3 +759,26 @@ def test_corrupt_weights_file_is_refused(tiny, tmp_path, content):
     shutil.copy(tiny.adapters["A"] / "adapter_config.json", bin_dir)
     with pytest.raises(AdapterError, match="not a readable torch checkpoint"):
         pipe.manager.load_adapter(str(bin_dir), name="bad_bin")
+
+
+def test_host_tier_holds_an_adapter_at_its_own_targets_and_rank(tiny, reference_factory):
+    """The host image of a rank-4 adapter on q_proj/v_proj (B) is its own blocks at rank 4
+    (q, k, v of the fused projection, of every layer), not every target at max_rank: at
+    most 3x its own tensor bytes, a fraction of a slot; and it serves exactly."""
+    from safetensors.torch import load_file
+
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, load=("B",), max_rank=16)
+    m = pipe.manager
+    own = sum(
+        t.numel() * 4
+        for t in load_file(str(tiny.adapters["B"] / "adapter_model.safetensors")).values()
+    )
+    image = m.host.get("B")
+    assert sorted(image.offsets) == [("qkv_proj", 0), ("qkv_proj", 1)] and image.rank == 4
+    assert m.host.nbytes == image.nbytes <= 3 * own
+    assert image.nbytes < m.layout.numel * 4 / 10
+    ids = prompts(2, seed=29)
+    out = run_prefill(pipe, ids, ["B", None])
+    torch.testing.assert_close(out[0], ref.logits(ids[0], "B"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1], ref.logits(ids[1], None), rtol=1e-4, atol=1e-4)

@@ -11,9 +11,11 @@ from torch import nn
 
 from lora_graph import AdapterError, LoRAConfig
 from lora_graph.checkpoint import AdapterSource
+from lora_graph.layout import AdapterImage, SlotLayout
 from lora_graph.registry import AdapterRegistry, LoadedAdapter
 from lora_graph.routing import RoutingBuffer, group_batch, row_slots, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
+from lora_graph.targets import LoraTarget
 from lora_graph.wrapping import lora_weight_adapter
 
 
@@ -78,13 +80,29 @@ def test_host_tier_spares_and_evicts_lru():
     assert "c" not in tier and {"b", "d"} <= {k for k in "abcd" if k in tier}
 
 
+def _images(layout, values):
+    """A rank-1 image of the one block of ``layout`` per value, every element that value."""
+    images = {}
+    for key, value in values.items():
+        images[key] = AdapterImage(layout, [("t", 0)], 1, torch.float32)
+        images[key].data.fill_(value)
+    return images
+
+
+def _slot_of(layout, image):
+    slot = torch.zeros(layout.numel)
+    layout.write(slot, image)
+    return slot
+
+
 def test_slot_pool_lru_protection_and_rename():
-    pool = SlotPool(3, 4, dtype=torch.float32, device=torch.device("cpu"))
-    img = {k: torch.full((4,), float(i + 1)) for i, k in enumerate("abc")}
+    layout = SlotLayout({"t": LoraTarget(4, (2,), "none", ("t",), layers=(0,))}, 1, 2)
+    pool = SlotPool(3, layout.numel, dtype=torch.float32, device=torch.device("cpu"))
+    img = _images(layout, {"a": 1.0, "b": 2.0, "c": 3.0})
     never = lambda k: False  # noqa: E731
     sa = pool.activate("a", lambda: img["a"], protected=never, prefer=never)
     sb = pool.activate("b", lambda: img["b"], protected=never, prefer=never)
-    assert {sa, sb} == {1, 2} and pool.loads == 2 and torch.equal(pool.pool[0], torch.zeros(4))
+    assert {sa, sb} == {1, 2} and pool.loads == 2 and torch.equal(pool.pool[0], torch.zeros(128))
     assert (
         pool.activate("a", lambda: img["a"], protected=never, prefer=never) == sa
         and pool.loads == 2
@@ -92,12 +110,38 @@ def test_slot_pool_lru_protection_and_rename():
     # full: b is least recently used, but protected; a goes
     sc = pool.activate("c", lambda: img["c"], protected=lambda k: k == "b", prefer=never)
     assert sc == sa and pool.owners == [None, *(("c", "b") if sa == 1 else ("b", "c"))]
-    assert torch.equal(pool.pool[sc], img["c"])
+    assert torch.equal(pool.pool[sc], _slot_of(layout, img["c"]))
     with pytest.raises(NoFreeSlotError):
         pool.activate("a", lambda: img["a"], protected=lambda k: True, prefer=never)
     pool.rename("c", "c@1")
     assert pool.slot_of("c@1") == sc and pool.slot_of("c") is None
-    assert torch.equal(pool.read("c@1"), img["c"])
+    assert torch.equal(pool.read("c@1"), _slot_of(layout, img["c"]))
+
+
+def test_an_image_holds_its_own_blocks_at_its_rank_and_fills_a_slot_whole():
+    """An adapter image is its blocks at its rank only; written into a slot (with garbage
+    from a previous owner) it gives the padded layout: its A rows and B columns up to its
+    rank, zeros everywhere else; reading the slot back gives the image again."""
+    targets = {
+        "qkv": LoraTarget(8, (8, 4, 4), "column", ("q", "k", "v"), layers=(0, 1)),
+        "emb": LoraTarget(16, (8,), "none", ("emb",), layers=(0,), kind="embedding"),
+    }
+    layout = SlotLayout(targets, 2, max_rank=4)
+    image = AdapterImage(layout, [("qkv", 1), ("emb", 0)], 2, torch.float32)
+    torch.manual_seed(0)
+    image.data.copy_(torch.randn(image.numel))
+    assert image.numel == 3 * 2 * 8 + 16 * 2 + 16 * 2 + 8 * 2  # qkv A, B; emb A, B
+    assert image.nbytes == 4 * image.numel < 4 * layout.numel
+    slot = torch.full((layout.numel,), 7.0)
+    layout.write(slot, image)
+    expected = torch.zeros(layout.numel)
+    layout.a_view(expected, "qkv", 1)[:, :2] = image.a("qkv", 1)
+    layout.b_view(expected, "qkv", 1)[:, :2] = image.b("qkv", 1)
+    layout.a_view(expected, "emb", 0)[:, :2] = image.a("emb", 0)
+    layout.b_view(expected, "emb", 0)[:, :2] = image.b("emb", 0)
+    assert torch.equal(slot, expected)
+    back = layout.read(slot, 2)
+    assert sorted(back.offsets) == sorted(image.offsets) and torch.equal(back.data, image.data)
 
 
 # ---- wrapping ----------------------------------------------------------------------------

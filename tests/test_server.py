@@ -45,7 +45,7 @@ def _free_port() -> int:
 class Served:
     """A running server and what the tests compare against."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, max_batch_size: int = 8) -> None:
         torch.manual_seed(0)
         self.root = tmp / "lora_root"
         self.root.mkdir()
@@ -57,7 +57,7 @@ class Served:
             max_lora_rank=64,
             dtype="float32",
             device="cpu",
-            max_batch_size=8,
+            max_batch_size=max_batch_size,
             max_seq_len=128,
             max_num_batched_tokens=64,
             progress=False,
@@ -158,6 +158,42 @@ def test_streaming_completions_and_usage_chunk(served, client):
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == len(served.refs[(prompt, adapter)])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+
+
+def test_a_stream_has_no_usage_chunk_unless_asked(served, client):
+    """OpenAI's canonical loop reads ``chunk.choices[0]`` of every chunk: without
+    ``stream_options.include_usage`` no chunk may come without choices (OpenAI and vLLM
+    send the usage chunk only when asked), for completions and chat alike."""
+    prompt, adapter = PROMPTS[0], "shout"
+    text = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model=adapter, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert text == text_of(served, served.refs[(prompt, adapter)])
+    for options in (None, {"include_usage": False}):
+        extra = {} if options is None else {"stream_options": options}
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=4, stream=True, **extra
+            )
+        )
+        assert chunks and all(c.choices and c.usage is None for c in chunks)
+    served.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        chat = list(
+            client.chat.completions.create(
+                model="shout", messages=[{"role": "user", "content": "Hello"}], max_tokens=10,
+                temperature=0, stream=True,
+            )
+        )  # fmt: skip
+    finally:
+        served.tokenizer.chat_template = None
+    assert chat and all(c.choices for c in chat)
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == text_of(
+        served, served.chat_ref
+    )
 
 
 def test_token_prompt_n_and_stop_string(served, client):
@@ -406,6 +442,30 @@ def test_a_refused_runtime_load_names_the_adapter_once(served):
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and message.startswith("adapter 'dora': "), r.text
     assert message.count("'dora'") == 1 and "DoRA" in message, message
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_runtime_load_of_a_non_finite_adapter_is_refused(served, client, value):
+    """It used to answer 200, then every request on it 500 ("NaN logits"): now the load is
+    refused naming the tensor, the name is not served, and the others are."""
+    from safetensors.torch import load_file, save_file
+
+    bad = served.root / f"poisoned_{value}"
+    shutil.copytree(served.root / "pirate_copy", bad)
+    weights = load_file(str(bad / "adapter_model.safetensors"))
+    key = next(k for k in sorted(weights) if "lora_B" in k)
+    weights[key].fill_(value)
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+    r = httpx.post(
+        served.url + "/v1/load_lora_adapter",
+        json={"lora_name": "poisoned", "lora_path": str(bad)},
+        timeout=60,
+    )
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"adapter 'poisoned': tensor {key} holds" in message, r.text
+    assert "poisoned" not in [m.id for m in client.models.list().data]
+    got = client.completions.create(model="pirate", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert got.choices[0].text == text_of(served, served.refs[(PROMPTS[0], "pirate")])
 
 
 def test_streams_flow_while_an_adapter_is_read(served, monkeypatch):
@@ -755,14 +815,23 @@ def test_gpu_cuda_graphs_served_from_the_engine_thread():
         (["--allow-runtime-lora"], "needs at least one --lora-root"),
         (["--lora-root", "/no/such/dir"], "is not a directory"),
         (["--max-request-bytes", "10"], "--max-request-bytes"),
+        (["--lora", "no-equals-sign"], "expected NAME=PATH"),
     ],
 )
-def test_cli_serve_refuses_bad_flags_before_loading(extra, match, capsys):
-    from lora_graph.cli import main
+def test_cli_serve_refuses_bad_flags_before_loading(extra, match, capsys, monkeypatch):
+    """Each bad flag is refused before the port is probed (and before the model loads):
+    the network is never touched, so the default port being taken (the README's server
+    example running beside the tests) changes nothing."""
+    import lora_graph.cli as cli
 
+    class NoNetwork:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("serve touched the network before checking its flags")
+
+    monkeypatch.setattr(cli.socket, "socket", NoNetwork)
     argv = ["serve", "--model", str(ASSETS / "base"), "--device", "cpu",
             "--lora", f"pirate={ASSETS / 'adapters' / 'pirate'}", *extra]  # fmt: skip
-    assert main(argv) == 2
+    assert cli.main(argv) == 2
     assert match in capsys.readouterr().err
 
 
@@ -776,3 +845,116 @@ def test_cli_serve_port_in_use(capsys):
         argv = ["serve", "--model", str(ASSETS / "base"), "--device", "cpu", "--port", str(port)]
         assert main(argv) == 2
     assert "cannot bind" in capsys.readouterr().err
+
+
+def test_runtime_reloads_racing_hundreds_of_requests(tmp_path):
+    """One request runs at a time (``max_batch_size`` 1), so requests queue. Per round,
+    each of ``x`` and ``y`` stands for one of the demo adapters; a burst of completions
+    (streamed and not, on ``x``, ``y`` and the base) is accepted, then ``x`` or ``y`` is
+    unloaded and at once loaded again with other weights, and a second burst follows.
+    Every answer is the offline greedy text of the version its name stood for when it
+    arrived, or, for a first-burst request of the name that was unloaded, the documented
+    400 (``adapter 'x' was unloaded``); none is served by another version."""
+    import asyncio
+    import random
+
+    srv = Served(tmp_path, max_batch_size=1)
+    for a in ADAPTERS:
+        shutil.copytree(ASSETS / "adapters" / a, srv.root / a)
+    ids = {p: srv.tokenizer(p)["input_ids"] for p in PROMPTS}
+    refs = {
+        (p, a): text_of(srv, srv.greedy(ids[p], a, 6)) for p in PROMPTS for a in (None, *ADAPTERS)
+    }
+    srv.start()
+    rng = random.Random(5)
+    outcomes = {"served": 0, "refused": 0}
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+
+            async def load(name: str, weights: str) -> None:
+                path = str(srv.root / weights)
+                r = await http.post(
+                    "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+                )
+                assert r.status_code == 200, r.text
+
+            async def unload(name: str) -> None:
+                r = await http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+                assert r.status_code == 200, r.text
+
+            async def accepted_tokens() -> float:
+                text = (await http.get("/metrics")).text
+                for family in text_string_to_metric_families(text):
+                    if family.name == "lora_graph_prompt_tokens":
+                        return sum(s.value for s in family.samples if s.name.endswith("_total"))
+                return 0.0
+
+            async def complete(model: str, prompt: str, stream: bool) -> tuple[int, str]:
+                body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+                if not stream:
+                    r = await http.post("/v1/completions", json=body)
+                    data = r.json()
+                    if r.status_code != 200:
+                        return r.status_code, data["error"]["message"]
+                    return 200, data["choices"][0]["text"]
+                text = ""
+                async with http.stream(
+                    "POST", "/v1/completions", json={**body, "stream": True}
+                ) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            return data["error"]["code"], data["error"]["message"]
+                        text += data["choices"][0]["text"]
+                return 200, text
+
+            def burst(n: int) -> list[tuple[str, str, bool]]:
+                return [
+                    (
+                        rng.choice(["x", "y", "x", "y", MODEL]),
+                        rng.choice(PROMPTS),
+                        rng.random() < 0.5,
+                    )
+                    for _ in range(n)
+                ]
+
+            async def check(reqs, answers, versions, unloaded=None) -> None:
+                for (model, prompt, _), (status, text) in zip(reqs, answers, strict=True):
+                    weights = None if model == MODEL else versions[model]
+                    if status == 200:
+                        assert text == refs[(prompt, weights)], (model, weights, text)
+                        outcomes["served"] += 1
+                    else:
+                        assert model == unloaded, (model, status, text)
+                        assert status == 400 and text == f"adapter {model!r} was unloaded", text
+                        outcomes["refused"] += 1
+
+            current = {"x": "pirate", "y": "shout"}
+            await load("x", "pirate")
+            await load("y", "shout")
+            for _ in range(12):
+                first = burst(14)
+                before = await accepted_tokens()
+                tasks = [asyncio.create_task(complete(*r)) for r in first]
+                expected = before + sum(len(ids[p]) for _, p, _ in first)
+                while await accepted_tokens() < expected:
+                    await asyncio.sleep(0.005)
+                versions = dict(current)
+                name = rng.choice(["x", "y"])
+                await unload(name)
+                current[name] = rng.choice([a for a in ADAPTERS if a != current[name]])
+                await load(name, current[name])
+                second = burst(6)
+                later = [asyncio.create_task(complete(*r)) for r in second]
+                await check(first, await asyncio.gather(*tasks), versions, unloaded=name)
+                await check(second, await asyncio.gather(*later), dict(current))
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    assert outcomes["served"] > 150 and outcomes["refused"] > 10, outcomes
