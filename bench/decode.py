@@ -45,16 +45,11 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-# the repository root instead of bench/ first on the path: bench/kernels.py must not shadow
-# the `kernels` package that transformers looks for
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
 LLAMA3_8B = dict(
     vocab_size=128256,

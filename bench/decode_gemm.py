@@ -41,8 +41,6 @@ from pathlib import Path
 
 import torch
 
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
-
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"

@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh quick     the captured packed step and parity on CUDA (test_compile, test_parity,
 #                                   test_generation: the CUDA cases)
 #   bash bench/gpu_run.sh parity    tests/test_parity.py's GPU tests
-#   bash bench/gpu_run.sh kernels   bench/kernels.py
+#   bash bench/gpu_run.sh kernels   bench/lora_kernels.py
 #   bash bench/gpu_run.sh decode    bench/decode.py at mean context 1k (Triton backend, CUDA graphs;
 #                                   max_seq_len 8192 compared) + bench/attention.py
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
@@ -17,7 +17,7 @@
 #   bash bench/gpu_run.sh profmixed bench/profile_step.py on decode steps of 1 and 64 rows, ranks 8/16/32/64
 #                                   in a rank-64 pool, then rank 16 alone (where a rank-64 pool's cost goes)
 #   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
-#   bash bench/gpu_run.sh kernelsdec bench/kernels.py at decode sizes and 512 rows, Triton only
+#   bash bench/gpu_run.sh kernelsdec bench/lora_kernels.py at decode sizes and 512 rows, Triton only
 #   bash bench/gpu_run.sh decodegemm bench/decode_gemm.py (the prototype: base GEMM + LoRA in one kernel)
 #   bash bench/gpu_run.sh triton    the Triton kernels' GPU tests (against float64, graph replay)
 #   bash bench/gpu_run.sh precision bench/precision.py
@@ -49,7 +49,7 @@ for stage in "$@"; do
     parity)
       python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_parity.py 2>&1 | tee "$OUT/gpu_parity.log" | tail -8 ;;
     kernels)
-      python3 bench/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
+      python3 bench/lora_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -40 ;;
     decode)
       python3 bench/decode.py --backend triton --context 1024 --compare-max-seq-len 8192 --skip-peft \
         --json "$OUT/decode_1k.json" 2>&1 | tee "$OUT/decode_1k.log" | grep -v Warning | tail -14
@@ -89,7 +89,7 @@ for stage in "$@"; do
       python3 bench/decode_gemm.py --json "$OUT/decode_gemm.json" 2>&1 | tee "$OUT/decode_gemm.log" \
         | grep -v Warning | tail -20 ;;
     kernelsdec)
-      python3 bench/kernels.py --skip-torch --prefill 512 --json "$OUT/kernels_decode.json" 2>&1 \
+      python3 bench/lora_kernels.py --skip-torch --prefill 512 --json "$OUT/kernels_decode.json" 2>&1 \
         | tee "$OUT/kernels_decode.log" | grep "^|" ;;
     triton)
       python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_triton_ops.py 2>&1 | tee "$OUT/gpu_triton.log" | tail -4 ;;

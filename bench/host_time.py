@@ -27,13 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
 
 
 def per_call_us(fn, calls: int, rounds: int, sync) -> float:

@@ -14,29 +14,36 @@ under a half-precision base).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path[0:1] = [
-    str(Path(__file__).resolve().parents[1]),
-    str(Path(__file__).resolve().parents[1] / "tests"),
-]
+from lora_graph import LoRAConfig
+from lora_graph.models import LlamaPipeline
 
-from conftest import (  # noqa: E402
-    ADAPTERS,
-    PeftReference,
-    Tiny,
-    make_hf_model,
-    make_peft_adapter,
-    prompts,
+
+def _test_helpers():
+    """tests/conftest.py (the suite's tiny model, adapters and reference), from its file."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("lora_graph_test_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+_helpers = _test_helpers()
+ADAPTERS, PeftReference, Tiny = _helpers.ADAPTERS, _helpers.PeftReference, _helpers.Tiny
+make_hf_model, make_peft_adapter, prompts = (
+    _helpers.make_hf_model,
+    _helpers.make_peft_adapter,
+    _helpers.prompts,
 )
-from test_parity import MIX, run_prefill  # noqa: E402
-
-from lora_graph import LoRAConfig  # noqa: E402
-from lora_graph.models import LlamaPipeline  # noqa: E402
+run_prefill = _helpers.run_prefill
+MIX = ["A", None, "B", "A", None, "C", "D"]  # tests/test_parity.py's interleaved batch
 
 
 def main() -> None:

@@ -26,28 +26,14 @@ base-only graph), and the step's wall time (CUDA events) for each.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import decode as bench_decode  # bench/decode.py
 import torch
-
-# the repository root instead of bench/ first on the path (bench/kernels.py must not shadow
-# the `kernels` package transformers looks for)
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
-
-
-def _decode_module():
-    spec = importlib.util.spec_from_file_location(
-        "lora_graph_bench_decode", Path(__file__).parent / "decode.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def kind(name: str) -> str:
@@ -167,7 +153,6 @@ def main() -> None:
     from lora_graph import LoRAConfig
     from lora_graph.models import LlamaPipeline
 
-    bench_decode = _decode_module()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     shapes = dict(bench_decode.SMOKE if args.smoke else bench_decode.LLAMA3_8B)
     if args.smoke:

@@ -25,35 +25,16 @@ reported apart and not counted.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-# the repository root instead of bench/ first on the path: bench/kernels.py must not shadow
-# the `kernels` package transformers looks for (it would parse this command's arguments)
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
-
-
-def _decode_module():
-    """bench/decode.py (its model shapes and adapter maker), loaded from its file."""
-    spec = importlib.util.spec_from_file_location(
-        "lora_graph_bench_decode", Path(__file__).parent / "decode.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_decode = _decode_module()
-LLAMA3_8B, SMOKE, write_adapter = _decode.LLAMA3_8B, _decode.SMOKE, _decode.write_adapter
+from decode import LLAMA3_8B, SMOKE, write_adapter  # bench/decode.py
 
 
 def parse_args() -> argparse.Namespace:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -41,20 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+import decode as bench_decode  # bench/decode.py
 import torch
-
-# the repository root instead of bench/ first on the path (bench/kernels.py must not shadow
-# the `kernels` package transformers looks for)
-sys.path[0:1] = [str(Path(__file__).resolve().parents[1])]
-
-
-def _decode_module():
-    spec = importlib.util.spec_from_file_location(
-        "lora_graph_bench_decode", Path(__file__).parent / "decode.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_model(path: Path, shapes: dict, device: str) -> tuple[dict, object]:
@@ -138,7 +125,6 @@ def main() -> None:
     from lora_graph.engine import LLMEngine, Request, SamplingParams
     from lora_graph.models import LlamaPipeline
 
-    bench_decode = _decode_module()
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     shapes = dict(bench_decode.SMOKE if args.smoke else bench_decode.LLAMA3_8B)

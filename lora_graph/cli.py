@@ -137,12 +137,14 @@ def build_engine(
         raise CliError(_flag_names(str(e))) from e
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {_flag_names(str(e))}") from e
+    eos = _eos_ids(model_dir, hf_config)
+    engine = LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling)
     # adapters first: a bad one is reported before the capture (which does not need them:
     # they are graph inputs)
     for spec in loras:
         name, _, path = spec.partition("=")
         try:
-            pipeline.manager.load_adapter(path, name=name)
+            engine.add_lora(path, name=name)
         except (AdapterError, NoFreeSlotError) as e:
             raise CliError(str(e) if f"{name!r}" in str(e) else f"adapter {name!r}: {e}") from e
     if compile_mode != "none":
@@ -155,8 +157,7 @@ def build_engine(
     if any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         with contextlib.suppress(OSError, ValueError):
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos = _eos_ids(model_dir, hf_config)
-    return LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling), tokenizer
+    return engine, tokenizer
 
 
 def _check_lora_specs(loras: Sequence[str]) -> None:
@@ -465,7 +466,7 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
         raise CliError("--kv-cache-tokens: an encoder has no KV cache")
     engine, tokenizer = _engine_from_args(args, encoder=True)
     pipe = engine.pipeline
-    known = set(pipe.manager.loras) if pipe.manager is not None else set()
+    known = set(engine.list_loras())
     limit, flag = min((pipe.max_seq_len, "--max-seq-len"),
                       (pipe.max_num_batched_tokens, "--max-num-batched-tokens"))  # fmt: skip
 
@@ -608,9 +609,8 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         max_request_bytes=args.max_request_bytes,
     )
     app = server.create_app(engine, tokenizer, config)
-    manager = engine.pipeline.manager
     print(
-        f"serving {config.model_name!r} and adapters {manager.loras if manager else []} "
+        f"serving {config.model_name!r} and adapters {engine.list_loras()} "
         f"on http://{args.host}:{args.port}/v1",
         file=stdout,
         flush=True,

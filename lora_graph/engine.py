@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lora_graph.config import AdapterError, LoraReqConfig, is_finite_number, is_int
-from lora_graph.manager import AdapterRef
+from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig, is_finite_number, is_int
+from lora_graph.manager import AdapterRef, LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.step import SeqChunk
 
@@ -225,6 +225,14 @@ class LLMEngine:
         async_scheduling: overlap each step's host work with the previous step's device
             work (above); False reads every step's tokens before the next is scheduled;
             None: :func:`default_async_scheduling` of the pipeline's device.
+
+    Threading: an engine is not thread-safe. One thread owns it (a server's
+    :class:`~lora_graph.server.EngineLoop`) and calls every method, except
+    :meth:`read_lora`, which only reads and normalises files (nothing served changes) and
+    may run on any thread so that stepping goes on meanwhile. Code above the engine (the
+    server, the command line) uses this class's adapter API (:meth:`list_loras`,
+    :meth:`check_lora`, :meth:`add_lora`, :meth:`remove_lora`, ...), never the pipeline's
+    LoRA manager.
     """
 
     def __init__(
@@ -258,6 +266,104 @@ class LLMEngine:
             for _ in range(2)
         ]
         self._steps_run = 0
+
+    # ---- adapters and capabilities ------------------------------------------------------
+    @property
+    def supports_lora(self) -> bool:
+        """Whether the engine was built with adapter slots (a LoRA config)."""
+        return self.pipeline.manager is not None
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether the model is an encoder (sentence embeddings through :meth:`embed`, no
+        generation)."""
+        return hasattr(self.pipeline, "embed")
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens a request may hold, prompt and generated."""
+        return self.pipeline.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.pipeline.config.vocab_size
+
+    def list_loras(self) -> list[str]:
+        """The names requests may use (adapters being unloaded excluded), in load order."""
+        manager = self.pipeline.manager
+        return list(manager.loras) if manager is not None else []
+
+    def is_lora(self, name: str) -> bool:
+        """Whether ``name`` is a loaded adapter (one being unloaded is not)."""
+        manager = self.pipeline.manager
+        return manager is not None and manager.is_lora(name)
+
+    def _manager(self) -> LoRAManager:
+        manager = self.pipeline.manager
+        if manager is None:
+            raise ValueError("this engine was built without LoRA support")
+        return manager
+
+    def check_lora(self, path: str, *, name: str | None = None) -> AdapterInfo:
+        """Validate the adapter at ``path`` from its config and header, as a load would
+        (:meth:`LoRAManager.check_adapter`).
+
+        Raises:
+            AdapterError: naming the cause; ValueError: without LoRA support.
+        """
+        return self._manager().check_adapter(path, name=name)
+
+    def read_lora(self, path: str, *, name: str) -> ReadAdapter:
+        """Read, validate and normalise an adapter's files without serving it (any thread;
+        :meth:`LoRAManager.read_adapter`); :meth:`add_lora` then serves it.
+
+        Raises:
+            AdapterError: naming the cause; ValueError: without LoRA support.
+        """
+        return self._manager().read_adapter(path, name=name)
+
+    def add_lora(
+        self, lora: ReadAdapter | str, *, name: str | None = None, pin: bool = False
+    ) -> LoRAStatus:
+        """Serve an adapter: one :meth:`read_lora` read, or a path (``"name=path"``, or the
+        path and ``name``) read now. A known name with other weights is replaced: requests
+        that arrived before keep the version they were bound to.
+
+        Raises:
+            AdapterError: naming the cause; NoFreeSlotError: a pin that does not fit;
+            ValueError: without LoRA support.
+        """
+        manager = self._manager()
+        if isinstance(lora, str):
+            return manager.load_adapter(lora, name=name, pin=pin)
+        return manager.add_adapter(lora, pin=pin)
+
+    def remove_lora(self, name: str) -> LoRAStatus:
+        """Stop serving ``name``: requests running on it finish on it; requests bound to it
+        that have not started finish with ``error="adapter 'name' was unloaded"``.
+
+        Raises:
+            KeyError: if ``name`` is not loaded; ValueError: without LoRA support.
+        """
+        return self._manager().unload_adapter(name)
+
+    def lora_slot_counts(self) -> tuple[int, int, int]:
+        """Slot activations so far: ``(hits, loads, evictions)`` (zeros without LoRA)."""
+        manager = self.pipeline.manager
+        if manager is None:
+            return (0, 0, 0)
+        return (manager.slots.hits, manager.slots.loads, manager.slots.evictions)
+
+    def embed(self, rows: list[tuple[list[int], str | None]]) -> list[Tensor]:
+        """Sentence embeddings of an encoder, one ``(token ids, adapter)`` row each
+        (``BertPipeline.embed``).
+
+        Raises:
+            ValueError: for a model that is not an encoder, or a bad row (named).
+        """
+        if not self.is_encoder:
+            raise ValueError("the model is not an encoder")
+        return self.pipeline.embed(rows)
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

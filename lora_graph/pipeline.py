@@ -350,7 +350,7 @@ class PipelineModelWithKVCache(abc.ABC):
         """The step inputs the module's forward takes as keywords besides ``routing``, each
         with its shape in terms of the step's width (:data:`lora_graph.step.STEP_INPUTS`;
         all int32): the step buffer and every captured graph are built from this
-        declaration, so an architecture changes neither ``compile/`` nor the engine.
+        declaration, so an architecture changes neither ``lora_graph/compile/`` nor the engine.
         Default: all of them (a decoder over the paged KV cache)."""
         return dict(STEP_INPUTS)
 

@@ -18,7 +18,7 @@ WRITES_JSON = {
     "decode_gemm.py",
     "decode.py",
     "host_time.py",
-    "kernels.py",
+    "lora_kernels.py",
     "serve.py",
     "serve_load.py",
 }
@@ -34,6 +34,13 @@ EXTRA = {
 }
 
 
+def test_no_benchmark_edits_sys_path():
+    """The package (models and compile included) is imported as installed; a benchmark
+    imports its siblings (``bench/`` is first on the path of ``python bench/X.py``)."""
+    for script in SCRIPTS:
+        assert "sys.path" not in (BENCH / script).read_text(), script
+
+
 def test_every_benchmark_is_covered():
     assert SCRIPTS == [
         "adapter_load.py",
@@ -41,7 +48,7 @@ def test_every_benchmark_is_covered():
         "decode.py",
         "decode_gemm.py",
         "host_time.py",
-        "kernels.py",
+        "lora_kernels.py",
         "precision.py",
         "profile_step.py",
         "serve.py",
@@ -68,8 +75,7 @@ def test_benchmark_smoke(script, tmp_path):
 
 
 def test_serve_smoke_with_arrivals(tmp_path):
-    """bench/serve.py with its own flags (a script that imports bench/kernels.py by accident
-    has that module parse them, and fail), asynchronous scheduling compared with sync."""
+    """bench/serve.py with its own flags, asynchronous scheduling compared with sync."""
     argv = [sys.executable, str(BENCH / "serve.py"), "--smoke", "--rate", "8", "--skip-base"]
     argv += ["--peft-requests", "0", "--compare-sync", "--json", str(tmp_path / "out.json")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -101,11 +107,7 @@ def test_decode_variant_specs_refused_with_their_cause(spec, message):
 
     module_spec = importlib.util.spec_from_file_location("bench_decode", BENCH / "decode.py")
     decode = importlib.util.module_from_spec(module_spec)
-    path = list(sys.path)
-    try:
-        module_spec.loader.exec_module(decode)  # (it puts the repository first on sys.path)
-    finally:
-        sys.path[:] = path
+    module_spec.loader.exec_module(decode)
     with pytest.raises(SystemExit, match=re.escape(message)):
         decode.parse_variant(spec)
     assert decode.parse_variant("v:ranks=8/16,slot_ranks=0") == (

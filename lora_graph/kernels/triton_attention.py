@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lora_graph.attention import check_args
+from lora_graph.kernels.attention_args import check_args
 from lora_graph.kernels.triton_config import cdiv, device_sms, next_pow2
 
 try:  # pragma: no cover - exercised by the environment, not by a test
@@ -462,7 +462,7 @@ def paged_attention(
 
     Raises:
         RuntimeError: without Triton.
-        ValueError: for bad shapes / dtypes (:func:`lora_graph.attention.check_args`).
+        ValueError: for bad shapes / dtypes (:func:`lora_graph.kernels.attention_args.check_args`).
     """
     if not HAVE_TRITON:
         raise RuntimeError("the Triton paged attention needs Triton; use the torch backend")

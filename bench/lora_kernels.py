@@ -25,9 +25,9 @@ What it measures (H100/H200-class GPU, bf16, max_rank 16, rank-16 adapters, 8 sl
   one kernel, what an eager decode call runs), timed and checked likewise.
 - ``--sweep`` also times tile variants of both kernels at decode.
 
-    python bench/kernels.py                 # the H200 run (writes bench/out/kernels.json)
-    python bench/kernels.py --sweep         # also try shrink/expand tile variants at decode
-    python bench/kernels.py --smoke         # tiny shapes on the CPU (Triton interpreter), seconds
+    python bench/lora_kernels.py                 # the H200 run (writes bench/out/kernels.json)
+    python bench/lora_kernels.py --sweep         # also try shrink/expand tile variants at decode
+    python bench/lora_kernels.py --smoke         # tiny shapes, CPU (Triton interpreter), seconds
 
 Prints a markdown table at the end and writes JSON to ``--json``.
 """
@@ -43,8 +43,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the model shapes (Llama-3-8B) and the tiny ones of --smoke
 FULL = dict(

@@ -1,0 +1,162 @@
+"""The FastAPI app: middleware (:class:`~lora_graph.server.security.Guard`), error handlers
+that answer OpenAI's error body, and one line a route, each calling its handler in
+:class:`~lora_graph.server.handlers.OpenAIServing`; and :func:`run_server`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lora_graph.engine import LLMEngine
+from lora_graph.server.config import ServerConfig
+from lora_graph.server.engine_loop import EngineLoop
+from lora_graph.server.handlers import OpenAIServing
+from lora_graph.server.metrics import Metrics
+from lora_graph.server.protocol import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    EmbeddingBody,
+    LoadBody,
+    UnloadBody,
+    validation_message,
+)
+from lora_graph.server.security import Guard
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _http_error_message(exc: StarletteHTTPException) -> str:
+    """Why FastAPI could not parse a body ("There was an error parsing the body"), said."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
+        )
+    if isinstance(cause, RecursionError):
+        return "the body's JSON nests too deeply"
+    if isinstance(cause, ValueError):  # e.g. an integer of too many digits
+        return f"the body is not valid JSON ({cause})"
+    return str(exc.detail)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: HTTPRequest, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HTTPRequest, exc: Exception) -> JSONResponse:
+        return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors()[0] if exc.errors() else {})
+        return _error(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(APIError(exc.status_code, _http_error_message(exc)))
+
+
+def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (the package docstring). The engine thread starts
+    with the app (its lifespan) and stops with it: requests still in flight then are
+    aborted and told so (``finish_reason`` ``"abort"``).
+
+    Raises:
+        ImportError: without the ``serve`` extra (fastapi, uvicorn, prometheus_client).
+    """
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = EngineLoop(engine, on_step=lambda: metrics.observe_engine(engine))
+        app.state.engine_loop = loop
+        metrics.observe_engine(engine)
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    # no /docs, /redoc or /openapi.json: every route but /health is behind the API key
+    app = FastAPI(
+        title="lora_graph", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.add_middleware(Guard, config=config)
+    _add_error_handlers(app)
+    serving = OpenAIServing(engine, tokenizer, config, metrics, lambda: app.state.engine_loop)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest, body: CompletionBody) -> Any:
+        return await serving.completions(http, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest, body: ChatBody) -> Any:
+        return await serving.chat(http, body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingBody) -> dict[str, Any]:
+        return await serving.embeddings(body)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return await serving.models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadBody) -> PlainTextResponse:
+        return await serving.load_lora(body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadBody) -> PlainTextResponse:
+        return await serving.unload_lora(body)
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return serving.health()
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = generate_latest(metrics.registry).decode()
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_server(
+    app: FastAPI, *, host: str, port: int, grace: float, log_level: str = "info"
+) -> None:
+    """Serve ``app`` with uvicorn until SIGINT / SIGTERM. On the signal the server stops
+    accepting; requests in flight get ``grace`` seconds to finish, then are aborted, so each
+    one's response still ends properly (``finish_reason`` ``"abort"``, and a stream's usage
+    chunk and ``[DONE]``); the process then exits."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                loop: EngineLoop | None = getattr(app.state, "engine_loop", None)
+                if loop is not None:
+                    timer = threading.Timer(grace, lambda: loop.call(loop.abort_all))
+                    timer.daemon = True
+                    timer.start()
+            super().handle_exit(sig, frame)
+
+    # the responses cut off at `grace` need a moment to be written before uvicorn closes them
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 5
+    )
+    _Server(config).run()

@@ -1,0 +1,144 @@
+"""The engine thread: one background thread owns the :class:`~lora_graph.engine.LLMEngine`,
+steps it while anything is unfinished, and between steps runs the commands other threads
+send (:meth:`EngineLoop.call`). HTTP handlers never touch the engine themselves."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lora_graph.engine import LLMEngine, Request, RequestOutput
+
+
+@dataclass
+class Watcher:
+    """Where one engine request's tokens go: called on the engine thread."""
+
+    on_token: Callable[[int], None]
+    on_finish: Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    """Runs ``engine`` on one background thread: steps while anything is unfinished, and
+    between steps runs the commands other threads send (:meth:`call`).
+
+    Args:
+        engine: the engine; no other thread may use it once :meth:`start` is called.
+        on_step: called on the engine thread after each step (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]]
+        self._commands = queue.SimpleQueue()
+        self._watchers: dict[str, Watcher] = {}
+        self._stop = threading.Event()
+        self._on_step = on_step
+        self._thread = threading.Thread(target=self._run, name="lora-graph-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight (each request finishes with ``error="aborted"``) and end
+        the thread."""
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            self.call(self.abort_all).result(timeout)
+        self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between steps; its result (or exception) comes
+        back through the returned future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RuntimeError("the engine is not running"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    def submit(self, request: Request, watcher: Watcher) -> None:
+        """Queue ``request`` (engine thread only, inside a :meth:`call`).
+
+        Raises:
+            ValueError: the engine's validation message, if the request is refused.
+        """
+        self.engine.add_request(request)
+        refused = self.engine.finished.get(request.id)
+        if refused is not None and refused.error is not None:
+            del self.engine.finished[request.id]
+            raise ValueError(refused.error)
+        self._watchers[request.id] = watcher
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (engine thread only); its watcher hears the ``aborted`` finish."""
+        self.engine.abort_request(request_id)
+        self._deliver_finished()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (engine thread only)."""
+        for request_id in list(self._watchers):
+            self.engine.abort_request(request_id)
+        self._deliver_finished()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands (waiting up to 50 ms for one if ``block``); return
+        whether any ran."""
+        ran = False
+        while True:
+            try:
+                fn, future = self._commands.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return ran
+            block = False
+            ran = True
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                ran = self._run_commands(block=not self.engine.has_unfinished())
+                if ran and self._on_step is not None:  # an abort or a load changed the state
+                    self._on_step()
+                if self._stop.is_set() or not self.engine.has_unfinished():
+                    continue
+                for request_id, token in self.engine.step():
+                    watcher = self._watchers.get(request_id)
+                    if watcher is not None:
+                        watcher.on_token(token)
+                self._deliver_finished()
+                if self._on_step is not None:
+                    self._on_step()
+        except BaseException as e:  # noqa: BLE001 - a fault of the engine: fail every request
+            self.error = e
+            for request_id, watcher in list(self._watchers.items()):
+                watcher.on_finish(RequestOutput(request_id, None, error=f"engine failed: {e!r}"))
+            self._watchers.clear()
+            while True:
+                try:
+                    _, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                future.set_exception(RuntimeError(f"engine failed: {e!r}"))
+
+    def _deliver_finished(self) -> None:
+        for request_id in [i for i in self.engine.finished if i in self._watchers]:
+            out = self.engine.finished.pop(request_id)
+            self._watchers.pop(request_id).on_finish(out)
