@@ -855,8 +855,8 @@ class AdapterReader:
 
         Raises:
             AdapterError: for anything :meth:`check_config` or :meth:`check` refuses, a LoRA
-                tensor holding a NaN or an infinity, or a B that overflows ``dtype`` once
-                scaled (each named).
+                tensor holding a NaN or an infinity, or an A or a scaled B that overflows
+                ``dtype`` (each named).
         """
         self.check_config(name, src.config)
         tensors = _load_tensors(src.weights_path)
@@ -873,11 +873,15 @@ class AdapterReader:
             a = image.a(m.ref.target, m.ref.layer)
             b = image.b(m.ref.target, m.ref.layer)
             a_t, b_t = tensors[m.a_key].float(), tensors[m.b_key].float() * m.scale
-            if not bool(torch.isfinite(b_t.to(dtype)).all()):
-                raise AdapterError(
-                    f"adapter {name!r}: tensor {m.b_key} times its scale {m.scale:g} overflows "
-                    f"{str(dtype).removeprefix('torch.')}"
-                )
+            for key, t, what in (
+                (m.a_key, a_t, ""),
+                (m.b_key, b_t, f" times its scale {m.scale:g}"),
+            ):
+                if not bool(torch.isfinite(t.to(dtype)).all()):
+                    raise AdapterError(
+                        f"adapter {name!r}: tensor {key}{what} overflows "
+                        f"{str(dtype).removeprefix('torch.')}"
+                    )
             if target.kind == "embedding":  # stored transposed: [vocab, max_rank]
                 a[:, : m.rank].copy_(a_t.T)
                 b[:, : m.rank].copy_(b_t)

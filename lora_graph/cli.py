@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 import torch
 
-from lora_graph.config import AdapterError, LoRAConfig
+from lora_graph.config import ADAPTER_NAME, AdapterError, LoRAConfig
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
 from lora_graph.manager import NoFreeSlotError
 
@@ -82,23 +82,18 @@ def build_engine(
     from lora_graph.models import pipeline_class
     from lora_graph.pipeline import MemoryBudgetError, resolve_model_path
 
-    for flag, value, least in (
-        ("--max-loras", max_loras, 1),
-        ("--max-lora-rank", max_lora_rank, 1),
-        ("--max-batch-size", max_batch_size, 1),
-        ("--max-seq-len", max_seq_len, 2),
-        ("--max-num-batched-tokens", max_num_batched_tokens, max_batch_size),
-        ("--kv-cache-tokens", kv_cache_tokens, 1),
-    ):
-        if value is not None and value < least:
-            raise CliError(f"{flag} must be at least {least}, got {value}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise CliError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    names = [spec.partition("=")[0] for spec in loras]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
-    _check_lora_specs(loras)  # before anything is loaded or captured
+    check_engine_flags(  # before anything is loaded or captured
+        loras,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_tokens=kv_cache_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
+        compile_mode=compile_mode,
+        device=device,
+    )
 
     try:
         model_dir = resolve_model_path(model)
@@ -160,12 +155,53 @@ def build_engine(
     return engine, tokenizer
 
 
-def _check_lora_specs(loras: Sequence[str]) -> None:
-    """Raises CliError for a ``--lora`` value that is not ``NAME=PATH``."""
+def check_engine_flags(
+    loras: Sequence[str],
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    max_batch_size: int,
+    max_seq_len: int | None,
+    max_num_batched_tokens: int | None,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+    compile_mode: str,
+    device: str,
+) -> None:
+    """Check the engine's flags from their values alone (nothing read, nothing bound).
+
+    Raises:
+        CliError: naming the first bad flag: a size below its least, a utilization outside
+            (0, 1], ``--compile cudagraph`` without CUDA, a ``--lora`` that is not
+            ``NAME=PATH``, a name given twice, or a name a runtime load would refuse
+            (1-64 letters, digits, '.', '_', '-').
+    """
+    for flag, value, least in (
+        ("--max-loras", max_loras, 1),
+        ("--max-lora-rank", max_lora_rank, 1),
+        ("--max-batch-size", max_batch_size, 1),
+        ("--max-seq-len", max_seq_len, 2),
+        ("--max-num-batched-tokens", max_num_batched_tokens, max_batch_size),
+        ("--kv-cache-tokens", kv_cache_tokens, 1),
+    ):
+        if value is not None and value < least:
+            raise CliError(f"{flag} must be at least {least}, got {value}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise CliError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if compile_mode == "cudagraph" and (device != "cuda" or not torch.cuda.is_available()):
+        raise CliError("--compile cudagraph: cudagraph mode needs a CUDA device (--device cuda)")
     for spec in loras:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise CliError(f"--lora {spec!r}: expected NAME=PATH")
+        if not ADAPTER_NAME.fullmatch(name):
+            raise CliError(
+                f"--lora {name[:80]!r}: an adapter name is 1-64 letters, digits, '.', '_' or '-'"
+            )
+    names = [spec.partition("=")[0] for spec in loras]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
@@ -582,9 +618,20 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         raise CliError(f"--lora {name!r}: the base model is served under that name")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty (leave it out to serve without a key)")
-    _check_lora_specs(args.lora)
+    check_engine_flags(
+        args.lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        compile_mode=args.compile,
+        device=args.device,
+    )
     # every flag is checked before the network is touched; the port before the model loads,
-    # so a taken port fails at once
+    # so a taken port fails at once (what needs the model, after it)
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

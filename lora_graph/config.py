@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
+
+# an adapter's name, as the server's runtime loads and the command line's --lora take it
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def is_int(v: Any) -> bool:

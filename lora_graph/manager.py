@@ -176,10 +176,11 @@ class LoRAManager:
         :meth:`read_adapter` then :meth:`add_adapter`.
 
         A known name with the same weights is left as it is (``UNCHANGED``); with other
-        weights it is replaced (``RELOADED``) and the load does not wait: requests admitted
-        after it get the new weights, and requests in flight (those holding the old version
-        through :meth:`acquire`) finish on the old ones, which keep their slot under the
-        routing key ``name@<digest prefix>`` until the last hold is released.
+        weights it is replaced (``RELOADED``) and the load does not wait: requests that arrive
+        after it get the new weights, and requests that arrived before (holding the old
+        version through :meth:`acquire`, queued or running) are served by the old ones,
+        which keep their slot under the routing key ``name@<digest prefix>`` until the last
+        hold is released.
 
         Raises:
             AdapterError: if the adapter cannot be served (the message names the cause), or

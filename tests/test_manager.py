@@ -368,14 +368,21 @@ def test_a_non_finite_adapter_weight_is_refused_at_load_naming_the_tensor(
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
 
 
-def test_a_b_that_overflows_the_slot_dtype_once_scaled_is_refused(tiny, tmp_path):
-    """A finite float32 B times its scale (alpha/r = 2) past float16's largest value
-    would be an infinity in a float16 slot: refused, naming the tensor and the dtype."""
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        # a finite float32 B times its scale (alpha/r = 2) past float16's largest value
+        (f"{Q_PROJ}.lora_B.weight", 60000.0, r"q_proj\.lora_B\.weight times its scale 2 overflows"),
+        # an A past it (found by a new user's trial: loaded, then every request NaN)
+        (f"{Q_PROJ}.lora_A.weight", 80000.0, r"q_proj\.lora_A\.weight overflows"),
+    ],
+)
+def test_a_weight_that_overflows_the_slot_dtype_is_refused(tiny, tmp_path, key, value, match):
+    """A finite float32 value that would be an infinity in a float16 slot: refused,
+    naming the tensor and the dtype."""
     pipe = make_pipeline(tiny, load=(), slot_dtype=torch.float16)
-    path = _copy_adapter(tiny.adapters["A"], tmp_path / "big", tensors=_poisoned(60000.0))
-    with pytest.raises(
-        AdapterError, match=r"q_proj\.lora_B\.weight times its scale 2 overflows float16"
-    ):
+    path = _copy_adapter(tiny.adapters["A"], tmp_path / "big", tensors=_poisoned(value, key))
+    with pytest.raises(AdapterError, match=match + " float16"):
         pipe.manager.load_adapter(str(path), name="big")
 
 

@@ -172,7 +172,7 @@ def test_a_stream_has_no_usage_chunk_unless_asked(served, client):
         )
     )
     assert text == text_of(served, served.refs[(prompt, adapter)])
-    for options in (None, {"include_usage": False}):
+    for options in (None, {"include_usage": False}, {}):
         extra = {} if options is None else {"stream_options": options}
         chunks = list(
             client.completions.create(
@@ -271,6 +271,11 @@ def test_chat_needs_a_template_then_matches(served, client):
             "prompt is not valid Unicode text (surrogates not allowed at 1)",
         ),
         ({"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
+        # OpenAI and vLLM refuse stream options for a response that is not streamed
+        (
+            {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options is only allowed when stream is true",
+        ),
     ],
 )
 def test_bad_requests_get_400_naming_the_cause(served, body, match):
@@ -816,6 +821,15 @@ def test_gpu_cuda_graphs_served_from_the_engine_thread():
         (["--lora-root", "/no/such/dir"], "is not a directory"),
         (["--max-request-bytes", "10"], "--max-request-bytes"),
         (["--lora", "no-equals-sign"], "expected NAME=PATH"),
+        # the engine's sizes, from their values alone (a new user's trial found them checked
+        # after the port, so a taken port hid them)
+        (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        (["--max-loras", "0"], "--max-loras must be at least 1"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
+        (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--compile", "cudagraph"], "cudagraph mode needs a CUDA device"),
+        (["--lora", f"bad name={ASSETS / 'adapters' / 'shout'}"], "an adapter name is 1-64"),
     ],
 )
 def test_cli_serve_refuses_bad_flags_before_loading(extra, match, capsys, monkeypatch):

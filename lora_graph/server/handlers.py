@@ -18,14 +18,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from lora_graph.config import AdapterError
+from lora_graph.config import ADAPTER_NAME, AdapterError
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, Watcher
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
-    ADAPTER_NAME,
     APIError,
     ChatBody,
     ClientGone,
@@ -351,6 +350,10 @@ class OpenAIServing:
                 f"the prompt has {len(prompt_ids)} tokens or more; at most {limit - 1} fit "
                 "(max_seq_len)",
                 param="messages" if chat else "prompt",
+            )
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         adapter = self.adapter_of(body.model)
         sampling = self.sampling_of(body, max_tokens)

@@ -4,7 +4,6 @@ fails validation gets (:func:`validation_message`)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 try:  # the "serve" extra
@@ -47,9 +46,6 @@ class APIError(Exception):
         }
 
 
-# an adapter name a runtime load may give
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
 # request fields of several accepted forms: a value of none of them is refused with all
 # (pydantic reports the error of one form, e.g. "prompt.str: Input should be a valid string")
 _UNION_FIELDS = {
@@ -84,7 +80,7 @@ if HAVE_SERVER_DEPS:
         model_config = ConfigDict(extra="forbid", strict=True)
 
     class StreamOptions(_Body):
-        include_usage: bool = True  # (when stream_options is given at all, as vLLM)
+        include_usage: bool = False  # OpenAI's default (vLLM's is True once the field is given)
 
     class _Sampling(_Body):
         model: str
