@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import make_pipeline, prompts
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
@@ -97,8 +98,19 @@ def test_load_unload_reload_racing_hundreds_of_requests(tiny, reference_factory)
     served by the version current at its arrival (its tokens equal that version alone),
     refused as unloaded only if that version was unloaded after it arrived, or refused at
     arrival as unknown when its name was not loaded; and nothing is left held."""
-    ref = reference_factory(tiny)
-    engine = LLMEngine(make_pipeline(tiny, load=(), max_batch_size=2, max_slots=2))
+    _race(tiny, reference_factory(tiny), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_load_unload_reload_racing_requests(tiny, reference_factory):
+    """The same on CUDA (float32; pinned host images copied into slots asynchronously
+    while steps run, asynchronous scheduling)."""
+    _race(tiny, reference_factory(tiny), "cuda")
+
+
+def _race(tiny, ref, device: str) -> None:
+    engine = LLMEngine(make_pipeline(tiny, load=(), max_batch_size=2, max_slots=2, device=device))
     m = engine.pipeline.manager
     rng = random.Random(7)
     weights = ["A", "B", "C"]
