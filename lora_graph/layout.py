@@ -39,6 +39,8 @@ class SlotLayout:
                 offset = _aligned(offset + target.out_features * max_rank)
                 self.blocks[(name, layer)] = (a_off, b_off)
         self.numel = offset
+        self.order = list(self.blocks)  # the blocks in slot order
+        self.position = {key: i for i, key in enumerate(self.order)}
 
     def a_view(self, slot: Tensor, target: str, layer: int) -> Tensor:
         """``A [num_slices, max_rank, in_features]`` of ``(target, layer)`` in a flat slot
@@ -60,13 +62,32 @@ class SlotLayout:
     def write(self, slot: Tensor, image: AdapterImage) -> None:
         """Overwrite a flat slot (any device) with ``image``: zeros, then each of its blocks
         at its rank. The image crosses to the slot's device in one copy (asynchronous from
-        pinned memory); the blocks are then placed there."""
+        pinned memory); it is then placed there with two copies a target (its A rows and B
+        columns of every layer at once, as strided views), a block at a time only for a
+        target whose layers are not one run."""
         slot.zero_()
         data = image.data.to(slot.device, non_blocking=True)
         r = image.rank
-        for target, layer in image.offsets:  # (a slot's A is [S, R, K] or [vocab, R])
-            self.a_view(slot, target, layer)[:, :r].copy_(image.a(target, layer, data))
-            self.b_view(slot, target, layer)[:, :r].copy_(image.b(target, layer, data))
+        for target, layers in image.runs():
+            t = self.targets[target]
+            if t.kind == "embedding" or len(layers) == 1:
+                for layer in layers:  # (a slot's A is [S, R, K] or [vocab, R])
+                    self.a_view(slot, target, layer)[:, :r].copy_(image.a(target, layer, data))
+                    self.b_view(slot, target, layer)[:, :r].copy_(image.b(target, layer, data))
+                continue
+            n, R = len(layers), self.max_rank
+            a0, b0 = self.blocks[(target, layers[0])]
+            step = self.blocks[(target, layers[1])][0] - a0
+            ia0, ib0 = image.offsets[(target, layers[0])]
+            istep = image.offsets[(target, layers[1])][0] - ia0
+            S, K, out = t.num_slices, t.in_features, t.out_features
+            base, ibase = slot.storage_offset(), data.storage_offset()
+            slot.as_strided((n, S, r, K), (step, R * K, K, 1), base + a0).copy_(
+                data.as_strided((n, S, r, K), (istep, r * K, K, 1), ibase + ia0)
+            )
+            slot.as_strided((n, out, r), (step, R, 1), base + b0).copy_(
+                data.as_strided((n, out, r), (istep, r, 1), ibase + ib0)
+            )
 
     def read(self, slot: Tensor, rank: int) -> AdapterImage:
         """A host image of a flat slot holding an adapter of ``rank``: its blocks with a
@@ -146,6 +167,28 @@ class AdapterImage:
         _, b_off = self.offsets[(target, layer)]
         flat = (self.data if data is None else data)[b_off : b_off + t.out_features * self.rank]
         return flat.view(t.out_features, self.rank)
+
+    def runs(self) -> list[tuple[str, list[int]]]:
+        """The image's blocks as ``(target, layers)`` runs: layers consecutive in the slot
+        layout, whose blocks lie at one fixed stride both in a slot and in the image."""
+        runs: list[tuple[str, list[int]]] = []
+        for target, layer in self.offsets:  # (in slot order)
+            if (
+                runs
+                and runs[-1][0] == target
+                and self._next_in_layout(target, runs[-1][1][-1]) == layer
+            ):
+                runs[-1][1].append(layer)
+            else:
+                runs.append((target, [layer]))
+        return runs
+
+    def _next_in_layout(self, target: str, layer: int) -> int | None:
+        """The layer whose block follows ``layer``'s in the slot layout (same target)."""
+        order = self.layout.order
+        at = self.layout.position[(target, layer)] + 1
+        following = order[at] if at < len(order) else None
+        return following[1] if following is not None and following[0] == target else None
 
     def pin_memory(self) -> AdapterImage:
         """Pin the image's buffer (on CUDA: slot loads then copy asynchronously); returns

@@ -269,3 +269,26 @@ def test_module_map_and_paths_derive_from_the_target_table():
     )
     with pytest.raises(ValueError, match="module lm_head is named by both lm_head and other"):
         module_map(clash, 2)
+
+
+def test_an_image_of_every_layer_is_placed_by_strided_copies_as_block_by_block():
+    """Runs of consecutive layers are written two strided copies a target; the slot is the
+    same as one written block by block (layers 0-2 a run, layer 4 alone, layer 3 absent)."""
+    targets = {
+        "qkv": LoraTarget(8, (8, 4, 4), "column", ("q", "k", "v")),
+        "down": LoraTarget(12, (8,), "row", ("down",)),
+    }
+    layout = SlotLayout(targets, 5, max_rank=4)
+    blocks = [("qkv", 0), ("qkv", 1), ("qkv", 2), ("qkv", 4), ("down", 1), ("down", 2)]
+    image = AdapterImage(layout, blocks, 3, torch.float32)
+    torch.manual_seed(1)
+    image.data.copy_(torch.randn(image.numel))
+    assert image.runs() == [("qkv", [0, 1, 2]), ("qkv", [4]), ("down", [1, 2])]
+    pool = torch.full((3, layout.numel), 5.0)  # slot 1 of a pool: a view at an offset
+    layout.write(pool[1], image)
+    expected = torch.zeros(layout.numel)
+    for target, layer in blocks:
+        layout.a_view(expected, target, layer)[:, :3] = image.a(target, layer)
+        layout.b_view(expected, target, layer)[:, :3] = image.b(target, layer)
+    assert torch.equal(pool[1], expected)
+    assert (pool[0] == 5).all() and (pool[2] == 5).all()
