@@ -355,12 +355,8 @@ def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
     them."""
     where = "adapter_config.json's"
     exclude = config.get("exclude_modules")
-    if exclude:
-        if isinstance(exclude, str):
-            if re.fullmatch(exclude, module):
-                return f"{where} exclude_modules {exclude!r} excludes it"
-        elif module in exclude or any(module.endswith(f".{e}") for e in exclude):
-            return f"{where} exclude_modules {exclude!r} excludes it"
+    if exclude and _excluded(exclude, module):
+        return f"{where} exclude_modules {exclude!r} excludes it"
     targets = config.get("target_modules")
     unselected = f"{where} target_modules {targets!r} does not select it"
     if targets == "all-linear":  # PEFT expands it to every linear but the output layer
@@ -373,6 +369,20 @@ def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
         return None
     if not any(module.endswith(f".{t}") for t in targets):
         return unselected
+    return _layer_reason(config, module)
+
+
+def _excluded(exclude: str | list[str], module: str) -> bool:
+    """PEFT's ``exclude_modules``: a regex matched whole, or names matched as the key or
+    its dotted tail."""
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, module) is not None
+    return module in exclude or any(module.endswith(f".{e}") for e in exclude)
+
+
+def _layer_reason(config: dict[str, Any], module: str) -> str | None:
+    """None when ``layers_to_transform`` (with ``layers_pattern``) keeps ``module``'s
+    layer, else why not (PEFT's layer index rule)."""
     layers = config.get("layers_to_transform")
     if layers is None or layers == []:
         return None
@@ -385,7 +395,7 @@ def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
             match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
             if match is not None:
                 break
-    layer_fields = f"{where} layers_to_transform {layers!r}" + (
+    layer_fields = f"adapter_config.json's layers_to_transform {layers!r}" + (
         f" (layers_pattern {patterns!r})" if patterns else ""
     )
     if match is None:
@@ -548,6 +558,50 @@ def _check_finite(name: str, key: str, tensor: Tensor) -> None:
     )
 
 
+def _pair_keys(
+    name: str, keys: Collection[str]
+) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """A file's LoRA keys by module (``{module: {"A" | "B" | "embedding_A" | ...: key}}``)
+    and its saved base weights by module.
+
+    Raises:
+        AdapterError: for a key of another named adapter, a module with two A (or B)
+            tensors, or a tensor that is neither (a LoRA bias, a DoRA magnitude, ...).
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    base_layers: dict[str, str] = {}
+    unknown: list[str] = []
+    for key in sorted(keys):
+        try:
+            parsed = parse_lora_key(key)
+        except AdapterError as e:
+            raise AdapterError(f"adapter {name!r}: {e}") from None
+        if parsed is not None:
+            module, ab, infix = parsed
+            if infix not in (None, "default"):  # PEFT loads a file's keys as adapter "default"
+                raise AdapterError(
+                    f"adapter {name!r}: tensor {key} belongs to an adapter named {infix!r} "
+                    "(PEFT loads only unnamed or 'default' keys); save that adapter on its own"
+                )
+            if ab in pairs.get(module, {}):
+                raise AdapterError(
+                    f"adapter {name!r}: module {module} has two lora_{ab} tensors "
+                    f"({pairs[module][ab]} and {key}); save each adapter on its own"
+                )
+            pairs.setdefault(module, {})[ab] = key
+        elif (base := parse_base_layer_key(key)) is not None:
+            base_layers[base] = key
+        else:
+            unknown.append(key)
+    if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
+        raise AdapterError(
+            f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
+            "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can "
+            "be served"
+        )
+    return pairs, base_layers
+
+
 class AdapterReader:
     """Validates and normalises adapters for one model's targets.
 
@@ -626,37 +680,7 @@ class AdapterReader:
         cfg = src.config
         ties = peft_weight_ties(cfg, self.tied) if cfg else {}
         tied_cfg = _with_ties(cfg, ties)
-        pairs: dict[str, dict[str, str]] = {}
-        base_layers: dict[str, str] = {}
-        unknown: list[str] = []
-        for key in sorted(shapes):
-            try:
-                parsed = parse_lora_key(key)
-            except AdapterError as e:
-                raise AdapterError(f"adapter {name!r}: {e}") from None
-            if parsed is not None:
-                module, ab, infix = parsed
-                if infix not in (None, "default"):  # PEFT loads a file's keys as adapter "default"
-                    raise AdapterError(
-                        f"adapter {name!r}: tensor {key} belongs to an adapter named {infix!r} "
-                        "(PEFT loads only unnamed or 'default' keys); save that adapter on its own"
-                    )
-                if ab in pairs.get(module, {}):
-                    raise AdapterError(
-                        f"adapter {name!r}: module {module} has two lora_{ab} tensors "
-                        f"({pairs[module][ab]} and {key}); save each adapter on its own"
-                    )
-                pairs.setdefault(module, {})[ab] = key
-            elif (base := parse_base_layer_key(key)) is not None:
-                base_layers[base] = key
-            else:
-                unknown.append(key)
-        if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
-            raise AdapterError(
-                f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
-                "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can "
-                "be served"
-            )
+        pairs, base_layers = _pair_keys(name, shapes)
         # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
         # r is the tensors' rank and the scale is 1
         r_default = cfg.get("r", PEFT_DEFAULT_R) if cfg else None

@@ -488,6 +488,80 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
 _EMBED_FIELDS = frozenset({"id", "text", "input_ids", "adapter"})
 
 
+def _embed_row(
+    obj: dict[str, Any],
+    tokenizer: Any,
+    known: set[str],
+    limit: int,
+    flag: str,
+    truncate: bool,
+    vocab: int,
+) -> tuple[list[int], str | None]:
+    """One ``embed`` request line's ``(token ids, adapter)``.
+
+    Raises:
+        ValueError: naming the field and the cause.
+    """
+    unknown = sorted(set(obj) - _EMBED_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"unknown field {unknown[0]!r} (a line has: {', '.join(sorted(_EMBED_FIELDS))})"
+        )
+    if ("text" in obj) == ("input_ids" in obj):
+        raise ValueError("give either 'text' or 'input_ids'")
+    if "input_ids" in obj:
+        ids = _int_list(obj["input_ids"], "input_ids")
+    elif not isinstance(obj["text"], str):
+        raise ValueError("text must be a string")
+    elif tokenizer is None:
+        raise ValueError("the model has no tokenizer; give input_ids")
+    else:
+        check_text(obj["text"], "text")
+        if truncate:  # as sentence-transformers: cut, then the closing special token
+            ids = tokenizer(obj["text"], truncation=True, max_length=limit)["input_ids"]
+        else:
+            ids = tokenizer(obj["text"])["input_ids"]
+    adapter = obj.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise ValueError("adapter must be a string or null")
+    if adapter is not None and adapter not in known:
+        raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
+    if not 0 < len(ids) <= limit:
+        hint = "" if "input_ids" in obj or truncate else "; --truncate cuts texts"
+        raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag}{hint})")
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValueError(f"token ids must be in [0, {vocab})")
+    return ids, adapter
+
+
+def _embed_entries(
+    lines: list[tuple[int, str | None, str | None]], row: Any
+) -> list[tuple[Any, tuple[list[int], str | None] | None, str | None]]:
+    """``(id, row or None, error or None)`` for each line of an ``embed`` requests file."""
+    entries: list[tuple[Any, tuple[list[int], str | None] | None, str | None]] = []
+    seen: set[str] = set()
+    for n, line, error in lines:
+        out_id: Any = f"line-{n}"
+        if error is not None or line is None:
+            entries.append((out_id, None, error))
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("a line must be a JSON object")
+            if obj.get("id") is not None:
+                if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
+                    raise ValueError("id must be a string or an integer")
+                if str(obj["id"]) in seen:
+                    raise ValueError(f"id {obj['id']!r} repeats an earlier line's id")
+                seen.add(str(obj["id"]))
+                out_id = obj["id"]
+            entries.append((out_id, row(obj), None))
+        except (ValueError, TypeError, RecursionError) as e:
+            entries.append((out_id, None, f"line {n}: {e}"))
+    return entries
+
+
 def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
     """Sentence embeddings from an encoder (BERT), each text under its adapter."""
     _check_output(args.output)
@@ -507,60 +581,12 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
                       (pipe.max_num_batched_tokens, "--max-num-batched-tokens"))  # fmt: skip
 
     def row(obj: dict[str, Any]) -> tuple[list[int], str | None]:
-        unknown = sorted(set(obj) - _EMBED_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown field {unknown[0]!r} (a line has: "
-                             f"{', '.join(sorted(_EMBED_FIELDS))})")  # fmt: skip
-        if ("text" in obj) == ("input_ids" in obj):
-            raise ValueError("give either 'text' or 'input_ids'")
-        if "input_ids" in obj:
-            ids = _int_list(obj["input_ids"], "input_ids")
-        elif not isinstance(obj["text"], str):
-            raise ValueError("text must be a string")
-        elif tokenizer is None:
-            raise ValueError("the model has no tokenizer; give input_ids")
-        else:
-            check_text(obj["text"], "text")
-            if args.truncate:  # as sentence-transformers: cut, then the closing special token
-                ids = tokenizer(obj["text"], truncation=True, max_length=limit)["input_ids"]
-            else:
-                ids = tokenizer(obj["text"])["input_ids"]
-        adapter = obj.get("adapter")
-        if adapter is not None and not isinstance(adapter, str):
-            raise ValueError("adapter must be a string or null")
-        if adapter is not None and adapter not in known:
-            raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
-        if not 0 < len(ids) <= limit:
-            hint = "" if "input_ids" in obj or args.truncate else "; --truncate cuts texts"
-            raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag}{hint})")
-        vocab = pipe.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        return ids, adapter
+        return _embed_row(obj, tokenizer, known, limit, flag, args.truncate, pipe.config.vocab_size)
 
-    entries: list[tuple[Any, tuple[list[int], str | None] | None, str | None]] = []
-    seen: set[str] = set()
     if args.requests:
-        for n, line, error in lines:
-            out_id: Any = f"line-{n}"
-            if error is not None or line is None:
-                entries.append((out_id, None, error))
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("a line must be a JSON object")
-                if obj.get("id") is not None:
-                    if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
-                        raise ValueError("id must be a string or an integer")
-                    if str(obj["id"]) in seen:
-                        raise ValueError(f"id {obj['id']!r} repeats an earlier line's id")
-                    seen.add(str(obj["id"]))
-                    out_id = obj["id"]
-                entries.append((out_id, row(obj), None))
-            except (ValueError, TypeError, RecursionError) as e:
-                entries.append((out_id, None, f"line {n}: {e}"))
+        entries = _embed_entries(lines, row)
     else:
+        entries = []
         for i, text in enumerate(args.text):
             try:
                 entries.append((i, row({"text": text, "adapter": args.adapter}), None))
