@@ -300,7 +300,8 @@ def _parse_requests(
     entries: list[tuple[Request, Any, str | None]] = []
     seen: set[str] = set()
     for n, line, error in lines:
-        key = out_id = f"line-{n}"
+        key = f"line-{n}"
+        out_id: Any = key
         if error is not None or line is None:
             entries.append((Request(key, [], None), out_id, error))
             continue
@@ -593,7 +594,7 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
             except ValueError as e:
                 raise CliError(f"--text {i + 1}: {e}") from e
     good = [r for _, r, error in entries if error is None and r is not None]
-    vectors = pipe.embed(good).tolist() if good else []
+    vectors = engine.embed(good).tolist() if good else []
     results, k = [], 0
     for out_id, r, error in entries:
         if error is not None or r is None:

@@ -354,16 +354,17 @@ class LLMEngine:
             return (0, 0, 0)
         return (manager.slots.hits, manager.slots.loads, manager.slots.evictions)
 
-    def embed(self, rows: list[tuple[list[int], str | None]]) -> list[Tensor]:
-        """Sentence embeddings of an encoder, one ``(token ids, adapter)`` row each
-        (``BertPipeline.embed``).
+    def embed(self, rows: list[tuple[list[int], str | None]]) -> Tensor:
+        """Sentence embeddings of an encoder, ``[rows, hidden]`` float32, one
+        ``(token ids, adapter)`` row each (``BertPipeline.embed``).
 
         Raises:
             ValueError: for a model that is not an encoder, or a bad row (named).
         """
-        if not self.is_encoder:
+        embed = getattr(self.pipeline, "embed", None)
+        if embed is None:
             raise ValueError("the model is not an encoder")
-        return self.pipeline.embed(rows)
+        return embed(rows)
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -401,7 +402,7 @@ class LLMEngine:
         if request.adapter is not None:
             # bound now to the version its name stands for: a reload before it runs does
             # not change what serves it, an unload refuses it
-            seq.hold = self.pipeline.manager.acquire(request.adapter)
+            seq.hold = self._manager().acquire(request.adapter)
         self.waiting.append(seq)
         self._live.add(request.id)
 
@@ -465,7 +466,7 @@ class LLMEngine:
         """Give back what a leaving request held: its pages and its adapter version."""
         self._free_pages(seq)
         if seq.hold is not None:
-            self.pipeline.manager.release(seq.hold)
+            self._manager().release(seq.hold)
             seq.hold = None
 
     def _free_pages(self, seq: _Sequence) -> None:
@@ -536,7 +537,6 @@ class LLMEngine:
         cannot starve it. The scan stops after ``4 * max_batch_size`` requests that wait."""
         admitted: list[_Sequence] = []
         kept: list[_Sequence] = []
-        manager = self.pipeline.manager
         names = {s.adapter for s in self.running if s.adapter is not None}
         limit = self.pipeline.max_batch_size
         first_blocked: _Sequence | None = None
@@ -553,7 +553,7 @@ class LLMEngine:
                 fits = False
                 if first_blocked is None or seq.adapter in names:
                     try:
-                        fits = manager.admit(seq.hold, names)
+                        fits = self._manager().admit(seq.hold, names)
                     except KeyError as e:  # its version was unloaded while it waited
                         self._finish(seq, self._output(seq, error=e.args[0]))
                         continue

@@ -10,6 +10,8 @@ bound into the layers.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -76,7 +78,7 @@ class _LoRALayer(nn.Module):
 
     @staticmethod
     def _base_shape(base: nn.Module) -> tuple[int, int]:
-        return (base.in_features, base.out_features)
+        return (cast(int, base.in_features), cast(int, base.out_features))
 
     def extra_repr(self) -> str:
         return f"target={self.target_name}, layer={self.layer}, a={list(self.a.shape)}"
@@ -168,6 +170,7 @@ class LoRALinear(_LoRALayer):
         route = routing.tokens
         if side:
             weight, bias = self.base.weight, self.base.bias
+            assert k.linear_shrink is not None  # (else it returned above)
             y, h = k.linear_shrink(
                 x2, weight, bias, self.a, self.num_slices, *route, ranks=self.ranks
             )
@@ -204,7 +207,7 @@ class LoRAEmbedding(_LoRALayer):
 
     @staticmethod
     def _base_shape(base: nn.Module) -> tuple[int, int]:
-        return (base.num_embeddings, base.embedding_dim)
+        return (cast(int, base.num_embeddings), cast(int, base.embedding_dim))
 
     def forward(self, tokens: Tensor, routing: Routing | None = None) -> Tensor:
         y = self.base(tokens)

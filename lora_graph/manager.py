@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -276,7 +277,7 @@ class LoRAManager:
             layer = self.layers.get((ref.target, ref.layer))
             if layer is None:
                 continue
-            served = layer.base.weight
+            served = cast(Tensor, layer.base.weight)
             coarse = [torch.finfo(d) for d in (saved.dtype, served.dtype)]
             rtol = 2 * max(f.eps for f in coarse)
             atol = max(f.tiny for f in coarse)  # below it half precision rounds to subnormals
@@ -375,7 +376,7 @@ class LoRAManager:
         """
         image = self.host.get(entry.name)
         if image is not None:
-            return image
+            return cast(AdapterImage, image)
         try:
             if entry.source.digest() != entry.digest:
                 raise AdapterError(
@@ -399,7 +400,7 @@ class LoRAManager:
                 )
             )
             raise AdapterError(message, adapter=entry.name) from e
-        return self.host.put(entry.name, image)
+        return cast(AdapterImage, self.host.put(entry.name, image))
 
     # ---- slots ----------------------------------------------------------------------
     def activate_adapter(self, name: str) -> int:
@@ -466,7 +467,9 @@ class LoRAManager:
         """Slot -> adapter for the batch's active adapters (base rows and inactive skipped)."""
         out = {}
         for r in batch:
-            slot = self.slots.slot_of(r.adapter) if r.adapter is not None else None
+            if r.adapter is None:
+                continue
+            slot = self.slots.slot_of(r.adapter)
             if slot is not None:
                 out[slot] = self.registry.get(r.adapter)
         return out

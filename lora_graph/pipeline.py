@@ -329,16 +329,16 @@ class PipelineModelWithKVCache(abc.ABC):
                     f"{self.max_seq_len}"
                 )
         kv = pages * page_bytes
-        free = free_memory_bytes(self.device)
-        if free is None or kv + slots <= free:
+        free_now = free_memory_bytes(self.device)
+        if free_now is None or kv + slots <= free_now:
             return pages
-        fits = max(0, (free - slots) // page_bytes - 1) * self.page_size if page_bytes else 0
+        fits = max(0, (free_now - slots) // page_bytes - 1) * self.page_size if page_bytes else 0
         raise MemoryBudgetError(
             f"the KV cache of {(pages - 1) * self.page_size} token positions (max_batch_size "
             f"{self.max_batch_size} x max_seq_len {self.max_seq_len}, or kv_cache_tokens) "
             f"needs {kv / gib:.1f} GiB"
             + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
-            + f", but {free / gib:.1f} GiB is free on {self.device.type}"
+            + f", but {free_now / gib:.1f} GiB is free on {self.device.type}"
             + (f"; at most kv_cache_tokens {fits} fits" if fits else "")
         )
 
@@ -532,7 +532,7 @@ class PipelineModelWithKVCache(abc.ABC):
             width = self.graphs.width(n, len(chunks))
         inputs = self.step_buffer.fill(chunks, width, fed_tokens)
         routing = None
-        if any(c.adapter is not None for c in chunks):
+        if self.manager is not None and any(c.adapter is not None for c in chunks):
             routing = self.manager.route(chunks, offsets)
         return ModelInputs(inputs, routing, chunks, width, all_logits)
 
@@ -552,7 +552,7 @@ class PipelineModelWithKVCache(abc.ABC):
         return self._execute_eager(inputs)
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:
-        kwargs = dict(inputs.inputs)
+        kwargs: dict[str, Tensor | None] = dict(inputs.inputs)
         if inputs.all_logits:
             kwargs["logits_index"] = None
         return self.model(**kwargs, routing=inputs.routing)

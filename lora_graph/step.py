@@ -241,6 +241,7 @@ class StepBuffer:
             self._staged.record()
         views = self.views(width)
         if fed:
+            assert fed_tokens is not None  # (refused above)
             k = len(fed)
             dst, src = (self._device[self._start[f] : self._start[f] + k].long() for f in _FEED)
             views["tokens"].index_copy_(0, dst, fed_tokens.index_select(0, src).to(torch.int32))

@@ -1,4 +1,4 @@
-"""Slot churn: thousands of decode steps through 3 slots and a 5-adapter host tier.
+"""Slot churn: 600 decode steps through 3 slots and a 5-adapter host tier.
 
 A dozen adapters of different ranks and target sets (the embedding and LM head included);
 every step draws a random batch
@@ -24,7 +24,7 @@ TARGET_SETS = [
     ["o_proj", "down_proj"],
     ["embed_tokens", "lm_head", "gate_proj", "up_proj", "k_proj"],
 ]
-STEPS = 2000
+STEPS = 600
 TOKENS = [5, 17, 42, 99]
 
 
@@ -91,5 +91,5 @@ def test_churn_every_row_matches_peft(tiny, tmp_path):
                 atol=1e-4,
                 msg=lambda m, s=step, r=row: f"step {s}, adapter {r.adapter}: {m}",
             )
-    assert pipe.manager.slot_loads > 500  # the slots really churned
+    assert pipe.manager.slot_loads > 150  # the slots really churned
     assert sum(name in pipe.manager.host for name in specs) == 5  # host tier capacity held

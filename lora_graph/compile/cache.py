@@ -22,7 +22,7 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -170,7 +170,7 @@ class GraphCache:
                 graph.inputs, sum(1 for node in gm.graph.nodes if node.op == "placeholder")
             )
             graph.compiles += 1
-        return compile_fx(gm, example_inputs)
+        return cast(Callable[..., Any], compile_fx(gm, example_inputs))
 
     def _static_args(self, key: Any) -> tuple[dict[str, Tensor], Routing | None]:
         k = node_capture_key(key)

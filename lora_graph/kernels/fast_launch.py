@@ -88,7 +88,7 @@ def _signature(kernel: Any) -> tuple[frozenset[int], tuple[str, ...]] | None:
 
 
 def _key(args: tuple, no_spec: frozenset[int]) -> tuple:
-    key = []
+    key: list[Any] = []
     for i, v in enumerate(args):
         if isinstance(v, torch.Tensor):
             key.append((v.dtype, v.data_ptr() % 16 == 0))

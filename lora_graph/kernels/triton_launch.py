@@ -575,6 +575,12 @@ def launch_expand_silu_mul(
 # --------------------------------------------------------------------------------------
 
 
+def _routing3(routing: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """The routing triple ``(lora_ids, grouped_offsets, end)`` as a fixed-length tuple."""
+    lora_ids, grouped_offsets, end = routing
+    return lora_ids, grouped_offsets, end
+
+
 def shrink(
     x: Tensor, a: Tensor, num_slices: int, *routing: Tensor, ranks: Tensor | None = None
 ) -> Tensor:
@@ -583,7 +589,7 @@ def shrink(
     _require_triton()
     max_rank = a.shape[1] // num_slices
     h = torch.zeros((num_slices, x.shape[0], max_rank), dtype=torch.float32, device=x.device)
-    launch_shrink(x, a, h, *routing, max_rank, ranks=ranks)
+    launch_shrink(x, a, h, *_routing3(routing), max_rank, ranks=ranks)
     return h
 
 
@@ -594,7 +600,7 @@ def expand_(
     """:func:`lora_graph.ops.lora_expand_` in one launch for all slices; the sum is formed in
     fp32 and cast to ``y``'s dtype once."""
     _require_triton()
-    launch_expand(y, h, b, tuple(out_slices), *routing, ranks=ranks)
+    launch_expand(y, h, b, tuple(out_slices), *_routing3(routing), ranks=ranks)
 
 
 def expand_silu_mul(
@@ -603,7 +609,7 @@ def expand_silu_mul(
     """:func:`lora_graph.ops.lora_expand_silu_mul` in one launch."""
     _require_triton()
     out = torch.empty((y.shape[0], y.shape[1] // 2), dtype=y.dtype, device=y.device)
-    launch_expand_silu_mul(y, h, b, out, *routing, ranks=ranks)
+    launch_expand_silu_mul(y, h, b, out, *_routing3(routing), ranks=ranks)
     return out
 
 
@@ -615,8 +621,9 @@ def delta_(
     one launch (:func:`launch_delta`, which says what ``plans`` is; at most 64 rows): an
     eager decode call's LoRA."""
     _require_triton()
-    launch_delta(y, x, a, b, out_slices, *routing, a.shape[1] // max(1, len(out_slices)),
-                 ranks=ranks, plans=plans)  # fmt: skip
+    max_rank = a.shape[1] // max(1, len(out_slices))
+    launch_delta(y, x, a, b, tuple(out_slices), *_routing3(routing), max_rank, ranks=ranks,
+                 plans=plans)  # fmt: skip
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -673,15 +680,18 @@ def linear_delta(
     overwrite = DELTA_OVERWRITE
     with ctx:
         if DELTA_FUSED and overwrite and n <= 64:
-            launch_delta(d, x, a, b, tuple(out_slices), *routing, max_rank, overwrite=True,
+            routes = _routing3(routing)
+            launch_delta(d, x, a, b, tuple(out_slices), *routes, max_rank, overwrite=True,
                          ranks=ranks)  # fmt: skip
         else:
             if not overwrite:
                 buf.zero_()
             elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the
                 h.zero_()  # shrink skips are rows the expand does not read
-            launch_shrink(x, a, h, *routing, max_rank, shrink_cfg, ranks=ranks)
-            launch_expand(d, h, b, tuple(out_slices), *routing, overwrite=overwrite, ranks=ranks)
+            launch_shrink(x, a, h, *_routing3(routing), max_rank, shrink_cfg, ranks=ranks)
+            launch_expand(
+                d, h, b, tuple(out_slices), *_routing3(routing), overwrite=overwrite, ranks=ranks
+            )
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)
@@ -708,7 +718,7 @@ def linear_shrink(
         ctx = torch.cuda.stream(side)
     with ctx:
         h.zero_()  # h is exactly the shrink's: 0 on rows without a delta
-        launch_shrink(x, a, h, *routing, max_rank, ranks=ranks)
+        launch_shrink(x, a, h, *_routing3(routing), max_rank, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)

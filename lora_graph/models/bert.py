@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -243,7 +243,7 @@ class BertPipeline(PipelineModelWithKVCache):
         return ("pooler.dense", "bert.pooler.dense")
 
     def compile_regions(self) -> list[nn.Module]:
-        return list(self.model.encoder.layer)
+        return list(cast(nn.ModuleList, cast(nn.Module, self.model.encoder).layer))
 
     def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Drop ``bert.``, the pooler, the task models' heads and the position-id buffer;

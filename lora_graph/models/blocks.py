@@ -8,7 +8,7 @@ line up.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -124,8 +124,9 @@ class PagedKVCache(nn.Module):
 
     def pages(self) -> tuple[Tensor, Tensor]:
         """K and V as ``[num_pages, page_size, kv_heads, head_dim]`` views."""
-        shape = (-1, self.page_size, *self.k.shape[1:])
-        return self.k.view(shape), self.v.view(shape)
+        k, v = cast(Tensor, self.k), cast(Tensor, self.v)
+        shape = (-1, self.page_size, *k.shape[1:])
+        return k.view(shape), v.view(shape)
 
 
 class AttentionMetadata(NamedTuple):
@@ -191,7 +192,8 @@ class PagedAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.project(x, routing)
         write = rope_kv_write if ROPE_KV_OP else rope_kv_write_reference
-        q = write(q, k, v, cos, sin, attn.slot_mapping, self.kv_cache.k, self.kv_cache.v)
+        k_cache, v_cache = cast(Tensor, self.kv_cache.k), cast(Tensor, self.kv_cache.v)
+        q = write(q, k, v, cos, sin, attn.slot_mapping, k_cache, v_cache)
         k_pages, v_pages = self.kv_cache.pages()
         cap = (self.softcap,) if self.softcap else ()
         out = paged_attention(

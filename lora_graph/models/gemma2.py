@@ -22,7 +22,7 @@ LoRA targets, module names and the checkpoint layout are Llama's (``llama.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -120,7 +120,7 @@ class Gemma2Model(LlamaModel):
         return x * self.embed_scale.to(x.dtype)
 
     def final_logits(self, logits: Tensor) -> Tensor:
-        cap = self.config.final_logit_softcapping
+        cap = cast(Gemma2Config, self.config).final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -18,7 +18,7 @@ and nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -117,14 +117,12 @@ def hf_fields(hf: Any, model_type: str) -> dict[str, Any]:
     theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", None) or 10000.0
     partial = rope.pop("partial_rotary_factor", None)
     partial = float(partial or getattr(hf, "partial_rotary_factor", None) or 1.0)
-    scaling = rope or dict(getattr(hf, "rope_scaling", None) or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    given = rope or dict(getattr(hf, "rope_scaling", None) or {})
+    rope_type = given.get("rope_type", given.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r}")
     scaling = (
-        None
-        if rope_type == "default"
-        else tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+        None if rope_type == "default" else tuple(sorted({**given, "rope_type": rope_type}.items()))
     )
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -280,8 +278,8 @@ class LlamaModel(nn.Module):
         """
         x = self.embed(tokens.long(), routing)
         positions = positions.long()
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        cos = cast(Tensor, self.rope_cos)[positions].to(x.dtype)
+        sin = cast(Tensor, self.rope_sin)[positions].to(x.dtype)
         # int64 once for every layer's KV write
         attn = AttentionMetadata(slot_mapping.long(), block_tables, seq_lens, query_start)
         for layer in self.layers:
@@ -397,4 +395,4 @@ class LlamaPipeline(PipelineModelWithKVCache):
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def compile_regions(self) -> list[nn.Module]:
-        return list(self.model.layers)
+        return list(cast(nn.ModuleList, self.model.layers))

@@ -44,10 +44,10 @@ if HAVE_SERVER_DEPS:
     from lora_graph.server.metrics import Metrics
 else:  # pragma: no cover - exercised without the "serve" extra
 
-    def create_app(*args: Any, **kwargs: Any) -> Any:
+    def create_app(*args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         raise ImportError("the server needs: pip install 'lora_graph[serve]'")
 
-    run_server = create_app
+    run_server = create_app  # type: ignore[assignment]
     Metrics = None  # type: ignore[assignment,misc]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -157,6 +158,10 @@ def run_server(
 
     # the responses cut off at `grace` need a moment to be written before uvicorn closes them
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace + 5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=math.ceil(grace + 5),
     )
     _Server(config).run()

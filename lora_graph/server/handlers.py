@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import time
 import uuid
@@ -315,8 +316,8 @@ class OpenAIServing:
                             **{**sampling.__dict__, "seed": (sampling.seed + c.index) % 2**64}
                         )
                     watcher = Watcher(
-                        lambda t, i=c.index: put((i, "token", t)),
-                        lambda out, c=c: finished(c, out),
+                        functools.partial(lambda i, t: put((i, "token", t)), c.index),
+                        functools.partial(finished, c),
                     )
                     loop.submit(Request(c.request_id, list(prompt_ids), adapter, s), watcher)
                     submitted.append(c.request_id)
