@@ -91,6 +91,18 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times[5:])
 
 
+def release_memory(device: torch.device) -> None:
+    """Give a dropped pipeline's device memory back before the next one sizes its KV cache
+    from what is free: its compiled graphs and dynamo's caches hold it through reference
+    cycles until collected (without this, the LoRA pipeline after the max_seq_len
+    comparison found 0 GiB left for its KV cache)."""
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def write_adapter(
     path: Path, config: dict, rank: int, seed: int, modules: tuple[str, ...] = LINEARS
 ) -> None:
@@ -406,7 +418,7 @@ def main() -> None:
         for b in args.batch_sizes
     }
     del plain
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    release_memory(device)
     a_long_ms = {}
     if args.compare_max_seq_len:
         long_pipe = LlamaPipeline(
@@ -428,7 +440,7 @@ def main() -> None:
             "a_ms": {b: [a_ms[b], a_long_ms[b]] for b in args.batch_sizes},
         }
         del long_pipe
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        release_memory(device)
 
     if args.no_side_stream:
         import lora_graph.ops
