@@ -308,7 +308,7 @@ def main() -> None:
         warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(reqs[:2])]
         serve(engine, warm, 2, base_only=base_only)  # first-call costs out of the numbers
         engine.steps = {"prefill": 0, "decode": 0}
-        engine.preemptions = 0
+        engine.scheduler.preemptions = 0
         m = serve(engine, reqs, args.output_len, base_only=base_only)
         m["capture_s"] = capture
         results["runs"][label] = m

@@ -1,182 +1,50 @@
 """Generation: continuous batching over the paged KV cache, each request under its adapter.
 
-Each :meth:`LLMEngine.step` runs one packed step (:mod:`lora_graph.step`) under a token
-budget (the pipeline's ``max_step_tokens``, from ``max_num_batched_tokens``), scheduled
-first come first served:
-
-1. every running request that is decoding gets its one token; one that needs a page when
-   the pool is dry preempts the newest running request (its pages are freed, and it goes
-   back to the front of the queue to be recomputed later: prompt plus the tokens it had,
-   so its output is unchanged);
-2. running requests part-way through their prompt get the next chunk of it;
-3. if nothing was preempted, waiting requests are admitted in arrival order while the
-   budget, ``max_batch_size``, the free pages (a request takes the pages of its whole
-   prompt when admitted, and leaves one page free per running request) and the adapter
-   slots allow. A request whose adapter cannot take a slot beside the running ones waits,
-   as does every later one that would need a new slot; later ones that need none go ahead
-   of it, at most ``max_batch_size`` of them, then it is next (so it is not starved). The
-   least recently used adapter not running gives up its slot when one is needed.
-
-Requests leave on EOS, a stop token, ``max_new_tokens`` or ``max_seq_len``; their pages
-and adapter hold are returned. With asynchronous scheduling (:class:`LLMEngine`) a step
-is scheduled while the one before it still runs: a request whose last token is still on
-the device decodes with that token fed on the device, unless that token ends it by
-length.
+:class:`LLMEngine` takes requests (:mod:`lora_graph.requests`), asks its
+:class:`~lora_graph.scheduler.Scheduler` what the next packed step is (first come first
+served under a token budget, preempting when the page pool runs dry; that module's
+docstring), runs it through the pipeline (:mod:`lora_graph.step`), samples
+(:mod:`lora_graph.sampling`) and streams the tokens. Requests leave on EOS, a stop token,
+``max_new_tokens`` or ``max_seq_len``; their pages and adapter hold are returned. With
+asynchronous scheduling (:class:`LLMEngine`) a step is scheduled while the one before it
+still runs: a request whose last token is still on the device decodes with that token fed
+on the device, unless that token ends it by length.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig, is_finite_number, is_int
-from lora_graph.manager import AdapterRef, LoRAManager, LoRAStatus, ReadAdapter
+from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig
+from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.pipeline import PipelineModelWithKVCache
+from lora_graph.requests import (
+    MIN_TEMPERATURE,
+    Request,
+    RequestOutput,
+    RequestState,
+    SamplingParams,
+    check_text,
+)
+from lora_graph.sampling import sample
+from lora_graph.scheduler import Scheduler
 from lora_graph.step import SeqChunk
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens.
-
-    Attributes:
-        max_new_tokens: the most tokens to generate.
-        temperature: 0 for greedy; otherwise logits are divided by it before sampling.
-        top_k: keep the k most likely tokens (0: all).
-        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
-        seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
-        stop_token_ids: tokens that end the request (kept in the output), besides EOS.
-        ignore_eos: keep generating past EOS.
-    """
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Refuse any value that could make the sampling distribution invalid, so that
-        :func:`sample` never fails for a request that was admitted.
-
-        Raises:
-            ValueError: naming the first bad field and its value.
-        """
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(
-                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
-            )
-        if not is_finite_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(
-                f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
-                "numerically unstable; use 0 for greedy"
-            )
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
-            map(is_int, self.stop_token_ids)
-        ):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-
-
-# below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
-MIN_TEMPERATURE = 1e-2
-
-
-def check_text(text: str, what: str) -> None:
-    """Refuse text no tokenizer can encode, naming ``what`` (a request's prompt, a
-    message, an input to embed): a Python ``str`` may hold lone surrogates (a JSON
-    ``"\\ud800"`` escape; a command line's undecodable bytes, kept by Python's
-    ``surrogateescape``), which are not Unicode scalar values and have no UTF-8 form.
-
-    Raises:
-        ValueError: ``"{what} is not valid Unicode text ({reason} at {index})"``.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text ({e.reason} at {e.start})") from None
-
-
-@dataclass
-class Request:
-    """One generation request: prompt token ids and the adapter it runs under (None: base)."""
-
-    id: str
-    prompt_token_ids: list[int]
-    adapter: str | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass
-class RequestOutput:
-    """A finished request: generated ``token_ids`` (prompt excluded), or ``error``.
-
-    ``arrival_time`` (when :meth:`LLMEngine.add_request` took it) and ``token_times`` (when
-    each token was sampled) are ``time.perf_counter()`` seconds.
-    """
-
-    id: str
-    adapter: str | None
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", or None with an error
-    error: str | None = None
-    arrival_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float | None:
-        """Seconds from arrival to the first token (None without one)."""
-        if self.arrival_time is None or not self.token_times:
-            return None
-        return self.token_times[0] - self.arrival_time
-
-
-@dataclass(eq=False)  # compared by identity: two requests may hold equal tokens
-class _Sequence:
-    request: Request
-    generator: torch.Generator | None
-    tokens: list[int]  # prompt and generated tokens
-    generated: list[int] = field(default_factory=list)
-    hold: AdapterRef | None = None  # the adapter version it was admitted under
-    arrival: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # its block table
-    computed: int = 0  # tokens whose K and V are in its pages
-    bypassed: int = 0  # later requests admitted while it waited for a slot
-    pending: int = 0  # tokens sampled on the device that the host has not read yet
-    done: bool = False  # finished (a step still in flight skips it)
-
-    @property
-    def known(self) -> int:
-        """Its length counting the tokens still on the device."""
-        return len(self.tokens) + self.pending
-
-    def ends_with_pending(self, max_seq_len: int) -> bool:
-        """Whether the tokens still on the device end it by length (it is not run again)."""
-        return self.pending > 0 and (
-            len(self.generated) + self.pending >= self.request.sampling.max_new_tokens
-            or self.known >= max_seq_len
-        )
-
-    @property
-    def adapter(self) -> str | None:
-        """The routing key of its rows: the adapter version it holds once admitted."""
-        return self.hold.key if self.hold is not None else self.request.adapter
+__all__ = [
+    "MIN_TEMPERATURE",
+    "LLMEngine",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "check_text",
+    "default_async_scheduling",
+    "sample",
+]
 
 
 @dataclass(eq=False)
@@ -187,7 +55,7 @@ class _InFlight:
     (a CUDA event; None on the CPU) has passed; ``hot`` the float32 logits of the rows that
     sample at a temperature (read at once)."""
 
-    seqs: list[_Sequence]
+    seqs: list[RequestState]
     rows: list[int]
     device: Tensor
     host: Tensor
@@ -245,12 +113,16 @@ class LLMEngine:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pages = pipeline.pages
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []
+        self.scheduler = Scheduler(
+            pipeline.pages,
+            max_batch_size=pipeline.max_batch_size,
+            max_step_tokens=pipeline.max_step_tokens,
+            max_seq_len=pipeline.max_seq_len,
+            admit_adapter=lambda hold, names: self._manager().admit(hold, names),
+        )
         self.finished: dict[str, RequestOutput] = {}
         # steps with a prefill chunk in them, and steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
-        self.preemptions = 0
         self.tokens_generated = 0
         self._live: set[str] = set()  # ids of the waiting and running requests
         self._new_tokens: list[tuple[str, int]] = []
@@ -266,6 +138,21 @@ class LLMEngine:
             for _ in range(2)
         ]
         self._steps_run = 0
+
+    @property
+    def waiting(self) -> deque[RequestState]:
+        """Requests waiting to be admitted (or readmitted after a preemption), in order."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[RequestState]:
+        """Requests admitted and holding pages, oldest first."""
+        return self.scheduler.running
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (their pages taken back, recomputed later)."""
+        return self.scheduler.preemptions
 
     # ---- adapters and capabilities ------------------------------------------------------
     @property
@@ -397,7 +284,7 @@ class LLMEngine:
             generator.manual_seed(
                 s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
             )
-        seq = _Sequence(request, generator, list(request.prompt_token_ids))
+        seq = RequestState(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
         if request.adapter is not None:
             # bound now to the version its name stands for: a reload before it runs does
@@ -440,7 +327,7 @@ class LLMEngine:
 
     @staticmethod
     def _output(
-        seq: _Sequence, *, reason: str | None = None, error: str | None = None
+        seq: RequestState, *, reason: str | None = None, error: str | None = None
     ) -> RequestOutput:
         """The output of a request leaving with finish ``reason`` or ``error``: the tokens
         it generated and its timings."""
@@ -454,7 +341,7 @@ class LLMEngine:
             token_times=list(seq.token_times),
         )
 
-    def _finish(self, seq: _Sequence, output: RequestOutput) -> None:
+    def _finish(self, seq: RequestState, output: RequestOutput) -> None:
         """A request leaves (it is out of the queues already): its output, and what it held
         given back."""
         seq.done = True
@@ -462,120 +349,15 @@ class LLMEngine:
         self._live.discard(seq.request.id)
         self.finished[seq.request.id] = output
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: RequestState) -> None:
         """Give back what a leaving request held: its pages and its adapter version."""
         self._free_pages(seq)
         if seq.hold is not None:
             self._manager().release(seq.hold)
             seq.hold = None
 
-    def _free_pages(self, seq: _Sequence) -> None:
-        self.pages.free(seq.pages)
-        seq.pages = []
-        seq.computed = 0
-
-    def _preempt(self, seq: _Sequence) -> None:
-        """Take a running request's pages back and queue it first, to be recomputed (its
-        prompt and generated tokens) when pages are free again. It keeps its adapter hold
-        and its sampling generator, so its output is unchanged."""
-        self.running.remove(seq)
-        self._free_pages(seq)
-        self.waiting.appendleft(seq)
-        self.preemptions += 1
-
-    # ---- scheduling ---------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[_Sequence, int]]:
-        """This step's requests and how many of their tokens each computes (module
-        docstring), with the pages for them taken."""
-        budget = self.pipeline.max_step_tokens
-        scheduled: list[tuple[_Sequence, int]] = []
-        taken: set[int] = set()  # ids of the sequences scheduled
-        preempted = False
-        limit = self.pipeline.max_seq_len
-        for seq in list(self.running):  # decodes first: one token each
-            if seq not in self.running or seq.known - seq.computed != 1 or budget == 0:
-                continue
-            if seq.ends_with_pending(limit):
-                continue  # its last token is on the device already
-            need = self.pages.pages_for(seq.computed + 1) - len(seq.pages)
-            while need > self.pages.num_free:
-                victims = [s for s in self.running if id(s) not in taken and s is not seq]
-                victim = victims[-1] if victims else seq
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            seq.pages += self.pages.allocate(need)
-            scheduled.append((seq, 1))
-            taken.add(id(seq))
-            budget -= 1
-        for seq in self.running:  # then the next chunk of prompts being prefilled
-            if budget == 0:
-                break
-            if id(seq) in taken or len(seq.tokens) <= seq.computed:
-                continue  # (decoding: its next token is on the device, or ends it)
-            n = min(len(seq.tokens) - seq.computed, budget)
-            scheduled.append((seq, n))
-            taken.add(id(seq))
-            budget -= n
-        if not preempted:
-            for seq in self._admit(budget):
-                n = min(len(seq.tokens), budget)
-                scheduled.append((seq, n))
-                budget -= n
-        return scheduled
-
-    def _admit(self, budget: int) -> list[_Sequence]:
-        """Admit waiting requests (module docstring, 3.) into the running list, each with
-        the pages of its whole prompt; return them in order.
-
-        Requests that need no new slot go ahead of the first one waiting for a slot at most
-        ``max_batch_size`` times; after that nothing is admitted past it until its adapter
-        gets a slot (the running requests drain), so steady traffic on resident adapters
-        cannot starve it. The scan stops after ``4 * max_batch_size`` requests that wait."""
-        admitted: list[_Sequence] = []
-        kept: list[_Sequence] = []
-        names = {s.adapter for s in self.running if s.adapter is not None}
-        limit = self.pipeline.max_batch_size
-        first_blocked: _Sequence | None = None
-        while self.waiting and budget > 0 and len(self.running) < limit:
-            seq = self.waiting[0]
-            if seq.pending:
-                break  # preempted with a token still on the device: next step
-            # its prompt's pages, and one spare page a running request (their next
-            # tokens), so a new request is not preempted at once by the running ones
-            if self.pages.pages_for(len(seq.tokens)) + len(self.running) > self.pages.num_free:
-                break  # first come first served: later requests wait for pages too
-            self.waiting.popleft()
-            if seq.hold is not None:
-                fits = False
-                if first_blocked is None or seq.adapter in names:
-                    try:
-                        fits = self._manager().admit(seq.hold, names)
-                    except KeyError as e:  # its version was unloaded while it waited
-                        self._finish(seq, self._output(seq, error=e.args[0]))
-                        continue
-                if not fits:  # its adapter cannot take a slot beside the running ones yet
-                    first_blocked = first_blocked or seq
-                    kept.append(seq)
-                    if len(kept) >= 4 * limit:
-                        break
-                    continue
-                names.add(seq.hold.key)
-            if first_blocked is not None:
-                if first_blocked.bypassed >= limit:
-                    kept.append(seq)  # (an adapter's new hold is kept for its next turn)
-                    break
-                first_blocked.bypassed += 1
-            seq.bypassed = 0
-            seq.pages = self.pages.allocate(self.pages.pages_for(len(seq.tokens)))
-            self.running.append(seq)
-            admitted.append(seq)
-            budget -= min(len(seq.tokens), budget)
-        self.waiting.extendleft(reversed(kept))
-        return admitted
+    def _free_pages(self, seq: RequestState) -> None:
+        self.scheduler.free_pages(seq)
 
     # ---- stepping ---------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -595,7 +377,10 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         try:
-            scheduled = self._schedule()
+            decided = self.scheduler.schedule()
+            for seq, error in decided.refused:  # their version was unloaded while they waited
+                self._finish(seq, self._output(seq, error=error))
+            scheduled = decided.scheduled
             if scheduled:
                 try:
                     self._in_flight = self._run(scheduled, previous)
@@ -625,7 +410,9 @@ class LLMEngine:
                 queue.remove(seq)
                 self._finish(seq, self._output(seq, error=error))
 
-    def _run(self, scheduled: list[tuple[_Sequence, int]], previous: _InFlight | None) -> _InFlight:
+    def _run(
+        self, scheduled: list[tuple[RequestState, int]], previous: _InFlight | None
+    ) -> _InFlight:
         """Queue one step on the device and its greedy tokens' copy to the host. Nothing of
         the engine's state changes until all of it is queued: a step that raises is run
         again from scratch."""
@@ -703,11 +490,11 @@ class LLMEngine:
                 self._leave(seq)
                 self._finish(seq, self._output(seq, reason=reason))
 
-    def _leave(self, seq: _Sequence) -> None:
+    def _leave(self, seq: RequestState) -> None:
         """Take a request out of its queue (running, or waiting after a preemption)."""
         (self.running if seq in self.running else self.waiting).remove(seq)
 
-    def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: RequestState, token: int) -> str | None:
         s = seq.request.sampling
         if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
             return "stop"
@@ -752,26 +539,3 @@ class LLMEngine:
                 rate = (self.tokens_generated - tokens) / max(bar.format_dict["elapsed"], 1e-3)
                 bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         return [self.finished.pop(i) for i in ids]
-
-
-def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
-    from the temperature-scaled distribution restricted by top-k then top-p.
-
-    The logits are shifted so their maximum is 0 before the division by the temperature,
-    so no value overflows: the most likely token always keeps a positive probability.
-    """
-    if params.temperature == 0:
-        return int(torch.argmax(logits).item())
-    logits = (logits - logits.max()) / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        drop[0] = False  # the most likely token always stays (top_p may round to 0 in float32)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())

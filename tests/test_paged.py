@@ -143,13 +143,13 @@ def test_a_request_preempted_with_its_next_token_on_the_device(tiny, reference_f
     pipe = make_pipeline(tiny, max_batch_size=2, max_seq_len=40, kv_cache_tokens=40, page_size=4)
     engine = LLMEngine(pipe)
     pending_at_preemption = []
-    preempt = engine._preempt
+    preempt = engine.scheduler.preempt
 
     def recording(seq):
         pending_at_preemption.append(seq.pending)
         preempt(seq)
 
-    engine._preempt = recording
+    engine.scheduler.preempt = recording
     _check(ref, reqs, engine.generate(reqs))
     assert 1 in pending_at_preemption
     assert pipe.pages.num_free == pipe.pages.capacity

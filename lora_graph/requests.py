@@ -1,0 +1,155 @@
+"""What a request is (:class:`Request`, :class:`SamplingParams`), what comes back
+(:class:`RequestOutput`), and a request's state while it is served (:class:`RequestState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_graph.config import is_finite_number, is_int
+from lora_graph.registry import AdapterRef
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens.
+
+    Attributes:
+        max_new_tokens: the most tokens to generate.
+        temperature: 0 for greedy; otherwise logits are divided by it before sampling.
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
+        seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
+        stop_token_ids: tokens that end the request (kept in the output), besides EOS.
+        ignore_eos: keep generating past EOS.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Refuse any value that could make the sampling distribution invalid, so that
+        :func:`sample` never fails for a request that was admitted.
+
+        Raises:
+            ValueError: naming the first bad field and its value.
+        """
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+            )
+        if not is_finite_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
+                "numerically unstable; use 0 for greedy"
+            )
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+            map(is_int, self.stop_token_ids)
+        ):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+
+
+# below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
+MIN_TEMPERATURE = 1e-2
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text no tokenizer can encode, naming ``what`` (a request's prompt, a
+    message, an input to embed): a Python ``str`` may hold lone surrogates (a JSON
+    ``"\\ud800"`` escape; a command line's undecodable bytes, kept by Python's
+    ``surrogateescape``), which are not Unicode scalar values and have no UTF-8 form.
+
+    Raises:
+        ValueError: ``"{what} is not valid Unicode text ({reason} at {index})"``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text ({e.reason} at {e.start})") from None
+
+
+@dataclass
+class Request:
+    """One generation request: prompt token ids and the adapter it runs under (None: base)."""
+
+    id: str
+    prompt_token_ids: list[int]
+    adapter: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: generated ``token_ids`` (prompt excluded), or ``error``.
+
+    ``arrival_time`` (when :meth:`LLMEngine.add_request` took it) and ``token_times`` (when
+    each token was sampled) are ``time.perf_counter()`` seconds.
+    """
+
+    id: str
+    adapter: str | None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", or None with an error
+    error: str | None = None
+    arrival_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first token (None without one)."""
+        if self.arrival_time is None or not self.token_times:
+            return None
+        return self.token_times[0] - self.arrival_time
+
+
+@dataclass(eq=False)  # compared by identity: two requests may hold equal tokens
+class RequestState:
+    """A request as the engine serves it: its tokens so far, what it holds (its adapter
+    version, its pages), how far its KV cache is computed, and what the device still owes
+    it (asynchronous scheduling)."""
+
+    request: Request
+    generator: torch.Generator | None
+    tokens: list[int]  # prompt and generated tokens
+    generated: list[int] = field(default_factory=list)
+    hold: AdapterRef | None = None  # the adapter version it was admitted under
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # its block table
+    computed: int = 0  # tokens whose K and V are in its pages
+    bypassed: int = 0  # later requests admitted while it waited for a slot
+    pending: int = 0  # tokens sampled on the device that the host has not read yet
+    done: bool = False  # finished (a step still in flight skips it)
+
+    @property
+    def known(self) -> int:
+        """Its length counting the tokens still on the device."""
+        return len(self.tokens) + self.pending
+
+    def ends_with_pending(self, max_seq_len: int) -> bool:
+        """Whether the tokens still on the device end it by length (it is not run again)."""
+        return self.pending > 0 and (
+            len(self.generated) + self.pending >= self.request.sampling.max_new_tokens
+            or self.known >= max_seq_len
+        )
+
+    @property
+    def adapter(self) -> str | None:
+        """The routing key of its rows: the adapter version it holds once admitted."""
+        return self.hold.key if self.hold is not None else self.request.adapter
