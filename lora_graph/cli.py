@@ -5,27 +5,27 @@ OpenAI-compatible HTTP server), ``embed`` (sentence embeddings from an encoder),
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from lora_graph.config import ADAPTER_NAME, AdapterError, LoRAConfig
-from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
-from lora_graph.manager import NoFreeSlotError
+from lora_graph.engine import Request, RequestOutput, SamplingParams, check_text
+from lora_graph.launch import CliError, build_engine, check_engine_flags, engine_from_args
+from lora_graph.request_files import (
+    embed_entries,
+    embed_row,
+    output_json,
+    parse_requests,
+    read_request_lines,
+)
 
 EXIT_BAD_INPUT = 2
-
-
-class CliError(Exception):
-    """An error reported as one line and exit status 2, without a traceback."""
 
 
 def _version() -> str:
@@ -47,354 +47,6 @@ def _assets_dir() -> Path:
     raise CliError(
         "the bundled demo assets (examples/assets) were not found; run from the repository root"
     )
-
-
-def build_engine(
-    model: str,
-    loras: list[str],
-    *,
-    max_loras: int,
-    max_lora_rank: int,
-    dtype: str,
-    device: str,
-    max_batch_size: int,
-    max_seq_len: int | None,
-    compile_mode: str = "none",
-    max_num_batched_tokens: int | None = None,
-    kv_cache_tokens: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    progress: bool = True,
-    enable_lora: bool = False,
-    encoder: bool | None = False,
-    async_scheduling: bool | None = None,
-) -> tuple[LLMEngine, Any]:
-    """Load the model, tokenizer and adapters; return the engine and the tokenizer.
-    ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
-    loads adapters at run time). ``encoder`` says which models the command serves: False a
-    decoder (generate), True an encoder (embed), None either (serve); another is refused
-    from its config, before its weights are read.
-
-    Raises:
-        CliError: if the model or an adapter cannot be loaded (the message names which).
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    from lora_graph.models import pipeline_class
-    from lora_graph.pipeline import MemoryBudgetError, resolve_model_path
-
-    check_engine_flags(  # before anything is loaded or captured
-        loras,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        max_batch_size=max_batch_size,
-        max_seq_len=max_seq_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        kv_cache_tokens=kv_cache_tokens,
-        gpu_memory_utilization=gpu_memory_utilization,
-        compile_mode=compile_mode,
-        device=device,
-    )
-
-    try:
-        model_dir = resolve_model_path(model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        cls = pipeline_class(hf_config.model_type)
-        kind = f"model {model!r} ({hf_config.model_type})"
-        if encoder is False and hasattr(cls, "embed"):
-            raise CliError(f"{kind} is an encoder; use lora-graph embed")
-        if encoder is True and not hasattr(cls, "embed"):
-            raise CliError(f"{kind} is not an encoder (embed: bert)")
-        if max_seq_len is None:
-            max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
-        lora = (
-            LoRAConfig(
-                max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))
-            )
-            if loras or enable_lora
-            else None
-        )
-        pipeline = cls(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len,
-            max_num_batched_tokens=(
-                max(2048, max_batch_size)
-                if max_num_batched_tokens is None
-                else max_num_batched_tokens
-            ),
-            kv_cache_tokens=kv_cache_tokens,
-            gpu_memory_utilization=gpu_memory_utilization,
-            lora=lora,
-        )
-    except MemoryBudgetError as e:
-        raise CliError(_flag_names(str(e))) from e
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise CliError(f"model {model!r}: {_flag_names(str(e))}") from e
-    eos = _eos_ids(model_dir, hf_config)
-    engine = LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling)
-    # adapters first: a bad one is reported before the capture (which does not need them:
-    # they are graph inputs)
-    for spec in loras:
-        name, _, path = spec.partition("=")
-        try:
-            engine.add_lora(path, name=name)
-        except (AdapterError, NoFreeSlotError) as e:
-            raise CliError(str(e) if f"{name!r}" in str(e) else f"adapter {name!r}: {e}") from e
-    if compile_mode != "none":
-        try:
-            pipeline.enable_compile(compile_mode, progress=progress)
-        except ValueError as e:
-            raise CliError(f"--compile {compile_mode}: {e}") from e
-    tokenizer = None
-    # (transformers 5 builds an empty tokenizer for a directory without tokenizer files)
-    if any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
-        with contextlib.suppress(OSError, ValueError):
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return engine, tokenizer
-
-
-def check_engine_flags(
-    loras: Sequence[str],
-    *,
-    max_loras: int,
-    max_lora_rank: int,
-    max_batch_size: int,
-    max_seq_len: int | None,
-    max_num_batched_tokens: int | None,
-    kv_cache_tokens: int | None,
-    gpu_memory_utilization: float,
-    compile_mode: str,
-    device: str,
-) -> None:
-    """Check the engine's flags from their values alone (nothing read, nothing bound).
-
-    Raises:
-        CliError: naming the first bad flag: a size below its least, a utilization outside
-            (0, 1], ``--compile cudagraph`` without CUDA, a ``--lora`` that is not
-            ``NAME=PATH``, a name given twice, or a name a runtime load would refuse
-            (1-64 letters, digits, '.', '_', '-').
-    """
-    for flag, value, least in (
-        ("--max-loras", max_loras, 1),
-        ("--max-lora-rank", max_lora_rank, 1),
-        ("--max-batch-size", max_batch_size, 1),
-        ("--max-seq-len", max_seq_len, 2),
-        ("--max-num-batched-tokens", max_num_batched_tokens, max_batch_size),
-        ("--kv-cache-tokens", kv_cache_tokens, 1),
-    ):
-        if value is not None and value < least:
-            raise CliError(f"{flag} must be at least {least}, got {value}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise CliError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if compile_mode == "cudagraph" and (device != "cuda" or not torch.cuda.is_available()):
-        raise CliError("--compile cudagraph: cudagraph mode needs a CUDA device (--device cuda)")
-    for spec in loras:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise CliError(f"--lora {spec!r}: expected NAME=PATH")
-        if not ADAPTER_NAME.fullmatch(name):
-            raise CliError(
-                f"--lora {name[:80]!r}: an adapter name is 1-64 letters, digits, '.', '_' or '-'"
-            )
-    names = [spec.partition("=")[0] for spec in loras]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise CliError(f"--lora: adapter name {repeated[0]!r} is given more than once")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.txt",
-                    "vocab.json", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
-
-
-def _engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine, Any]:
-    """:func:`build_engine` with the engine options ``generate`` and ``serve`` share."""
-    return build_engine(
-        args.model,
-        args.lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        dtype=args.dtype,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        compile_mode=args.compile,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        progress=args.progress,
-        async_scheduling=args.async_scheduling,
-        **extra,
-    )
-
-
-_FLAGS = ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "kv_cache_tokens",
-          "gpu_memory_utilization")  # fmt: skip
-
-
-def _flag_names(message: str) -> str:
-    """A pipeline's message with its argument names as this command's flags."""
-    for name in _FLAGS:
-        message = message.replace(name, "--" + name.replace("_", "-"))
-    return message
-
-
-def _eos_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
-    from transformers import GenerationConfig
-
-    eos: Any = getattr(hf_config, "eos_token_id", None)
-    with contextlib.suppress(OSError):  # no generation_config.json
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def _read_request_lines(path: str) -> list[tuple[int, str | None, str | None]]:
-    """The non-blank lines of a JSON-lines requests file as ``(line number, text, error)``.
-
-    The file is split on ``\\n`` only (a JSON string may hold U+2028 or other characters
-    ``str.splitlines`` would split on) and each line is decoded as UTF-8 on its own, so a
-    line that is not UTF-8 is an error of that line alone; a UTF-8 byte-order mark at the
-    start is skipped.
-
-    Raises:
-        CliError: if the file cannot be read.
-    """
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise CliError(f"--requests {path}: {e.strerror or e}") from e
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise CliError(f"--requests {path}: the file is UTF-16; save it as UTF-8")
-    lines: list[tuple[int, str | None, str | None]] = []
-    for n, chunk in enumerate(raw.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
-        try:
-            text = chunk.decode("utf-8")
-        except UnicodeDecodeError as e:
-            lines.append(
-                (
-                    n,
-                    None,
-                    f"line {n}: not valid UTF-8 (byte {chunk[e.start]:#04x} at column "
-                    f"{e.start + 1})",
-                )
-            )
-            continue
-        if text.strip():
-            lines.append((n, text, None))
-    if not lines:
-        raise CliError(f"--requests {path}: no requests in the file (one JSON object a line)")
-    return lines
-
-
-def _parse_requests(
-    lines: list[tuple[int, str | None, str | None]], tokenizer: Any, defaults: SamplingParams
-) -> list[tuple[Request, Any, str | None]]:
-    """Parse requests-file lines into ``(request, output id, error)`` entries in file order;
-    a line that is not a valid request, or repeats an earlier id, carries an error naming
-    its line. The engine sees each request as ``line-N`` (unique by construction); the
-    output names it by its own ``id`` (``line-N`` when it has none, or ``line-N-noid`` if
-    another line's ``id`` is ``line-N``)."""
-    entries: list[tuple[Request, Any, str | None]] = []
-    seen: set[str] = set()
-    for n, line, error in lines:
-        key = f"line-{n}"
-        out_id: Any = key
-        if error is not None or line is None:
-            entries.append((Request(key, [], None), out_id, error))
-            continue
-        try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("a request must be a JSON object")
-            if obj.get("id") is not None:
-                if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
-                    raise ValueError("id must be a string or an integer")
-                out_id = obj["id"]  # as given: an integer id stays an integer
-                if str(out_id) in seen:
-                    raise ValueError(f"id {out_id!r} repeats an earlier request's id")
-                seen.add(str(out_id))
-            unknown = sorted(set(obj) - _REQUEST_FIELDS)
-            if unknown:
-                raise ValueError(
-                    f"unknown field {unknown[0]!r} (a request has: "
-                    f"{', '.join(sorted(_REQUEST_FIELDS))})"
-                )
-            request = _request_from_json(obj, key, tokenizer, defaults)
-            request.sampling.validate()
-            entries.append((request, out_id, None))
-        except (ValueError, TypeError, RecursionError, OverflowError) as e:
-            entries.append((Request(key, [], None), out_id, f"line {n}: {e}"))
-    # an id-less line's line-N must not name another line's request
-    return [
-        (r, f"{out_id}-noid" if out_id == r.id and out_id in seen else out_id, error)
-        for r, out_id, error in entries
-    ]
-
-
-def _int_list(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise ValueError(f"{field} must be a list of integers")
-    return value
-
-
-# fmt: off
-_REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "adapter", "max_new_tokens",
-                             "temperature", "top_k", "top_p", "seed", "stop_token_ids",
-                             "ignore_eos"})
-# fmt: on
-
-
-def _request_from_json(
-    obj: dict[str, Any], rid: str, tokenizer: Any, defaults: SamplingParams
-) -> Request:
-    if "prompt_token_ids" in obj and "prompt" in obj:
-        raise ValueError("give either 'prompt' or 'prompt_token_ids', not both")
-    if "prompt_token_ids" in obj:
-        ids = _int_list(obj["prompt_token_ids"], "prompt_token_ids")
-    elif "prompt" in obj:
-        if not isinstance(obj["prompt"], str):
-            raise ValueError("prompt must be a string")
-        check_text(obj["prompt"], "prompt")
-        if tokenizer is None:
-            raise ValueError("the model has no tokenizer; give prompt_token_ids")
-        ids = tokenizer(obj["prompt"])["input_ids"]
-    else:
-        raise ValueError("a request needs 'prompt' or 'prompt_token_ids'")
-    adapter = obj.get("adapter")
-    if adapter is not None and not isinstance(adapter, str):
-        raise ValueError("adapter must be a string or null")
-    sampling = SamplingParams(
-        max_new_tokens=obj.get("max_new_tokens", defaults.max_new_tokens),
-        temperature=obj.get("temperature", defaults.temperature),
-        top_k=obj.get("top_k", defaults.top_k),
-        top_p=obj.get("top_p", defaults.top_p),
-        seed=obj.get("seed", defaults.seed),
-        stop_token_ids=tuple(
-            _int_list(obj.get("stop_token_ids", list(defaults.stop_token_ids)), "stop_token_ids")
-        ),
-        ignore_eos=obj.get("ignore_eos", defaults.ignore_eos),
-    )
-    return Request(rid, ids, adapter, sampling)
-
-
-def _output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
-    if out.error is not None:
-        return {"id": out.id, "error": out.error}
-    text = (
-        tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-    )
-    return {
-        "id": out.id,
-        "adapter": out.adapter,
-        "token_ids": out.token_ids,
-        "text": text,
-        "finish_reason": out.finish_reason,
-    }
 
 
 def _check_output(path: str | None) -> None:
@@ -452,8 +104,8 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
             check_text(args.prompt, "--prompt")
         except ValueError as e:
             raise CliError(str(e)) from None
-    lines = _read_request_lines(args.requests) if args.requests else []
-    engine, tokenizer = _engine_from_args(args)
+    lines = read_request_lines(args.requests) if args.requests else []
+    engine, tokenizer = engine_from_args(args)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -462,7 +114,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         seed=args.seed,
     )
     if args.requests:
-        entries = _parse_requests(lines, tokenizer, defaults)
+        entries = parse_requests(lines, tokenizer, defaults)
     else:
         if tokenizer is None:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
@@ -479,88 +131,11 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         if out.error is not None and not out.error.startswith(line) and args.requests:
             out.error = f"{line} {out.error}"  # refused by the engine: name the line too
         out.id = out_id
-        results.append(_output_json(out, tokenizer))
+        results.append(output_json(out, tokenizer))
     if not args.requests and results[0].get("error") is not None:
         raise CliError(results[0]["error"])  # one prompt: its refusal is the command's
     _write_results("".join(json.dumps(result) + "\n" for result in results), args.output, stdout)
     return 0
-
-
-_EMBED_FIELDS = frozenset({"id", "text", "input_ids", "adapter"})
-
-
-def _embed_row(
-    obj: dict[str, Any],
-    tokenizer: Any,
-    known: set[str],
-    limit: int,
-    flag: str,
-    truncate: bool,
-    vocab: int,
-) -> tuple[list[int], str | None]:
-    """One ``embed`` request line's ``(token ids, adapter)``.
-
-    Raises:
-        ValueError: naming the field and the cause.
-    """
-    unknown = sorted(set(obj) - _EMBED_FIELDS)
-    if unknown:
-        raise ValueError(
-            f"unknown field {unknown[0]!r} (a line has: {', '.join(sorted(_EMBED_FIELDS))})"
-        )
-    if ("text" in obj) == ("input_ids" in obj):
-        raise ValueError("give either 'text' or 'input_ids'")
-    if "input_ids" in obj:
-        ids = _int_list(obj["input_ids"], "input_ids")
-    elif not isinstance(obj["text"], str):
-        raise ValueError("text must be a string")
-    elif tokenizer is None:
-        raise ValueError("the model has no tokenizer; give input_ids")
-    else:
-        check_text(obj["text"], "text")
-        if truncate:  # as sentence-transformers: cut, then the closing special token
-            ids = tokenizer(obj["text"], truncation=True, max_length=limit)["input_ids"]
-        else:
-            ids = tokenizer(obj["text"])["input_ids"]
-    adapter = obj.get("adapter")
-    if adapter is not None and not isinstance(adapter, str):
-        raise ValueError("adapter must be a string or null")
-    if adapter is not None and adapter not in known:
-        raise ValueError(f"unknown adapter {adapter!r} (loaded: {sorted(known)})")
-    if not 0 < len(ids) <= limit:
-        hint = "" if "input_ids" in obj or truncate else "; --truncate cuts texts"
-        raise ValueError(f"{len(ids)} tokens (1 to {limit}: {flag}{hint})")
-    if any(not 0 <= t < vocab for t in ids):
-        raise ValueError(f"token ids must be in [0, {vocab})")
-    return ids, adapter
-
-
-def _embed_entries(
-    lines: list[tuple[int, str | None, str | None]], row: Any
-) -> list[tuple[Any, tuple[list[int], str | None] | None, str | None]]:
-    """``(id, row or None, error or None)`` for each line of an ``embed`` requests file."""
-    entries: list[tuple[Any, tuple[list[int], str | None] | None, str | None]] = []
-    seen: set[str] = set()
-    for n, line, error in lines:
-        out_id: Any = f"line-{n}"
-        if error is not None or line is None:
-            entries.append((out_id, None, error))
-            continue
-        try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("a line must be a JSON object")
-            if obj.get("id") is not None:
-                if isinstance(obj["id"], bool) or not isinstance(obj["id"], (str, int)):
-                    raise ValueError("id must be a string or an integer")
-                if str(obj["id"]) in seen:
-                    raise ValueError(f"id {obj['id']!r} repeats an earlier line's id")
-                seen.add(str(obj["id"]))
-                out_id = obj["id"]
-            entries.append((out_id, row(obj), None))
-        except (ValueError, TypeError, RecursionError) as e:
-            entries.append((out_id, None, f"line {n}: {e}"))
-    return entries
 
 
 def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
@@ -570,22 +145,22 @@ def cmd_embed(args: argparse.Namespace, stdout: TextIO) -> int:
         raise CliError("--adapter applies to --text; a requests file names each line's adapter")
     if args.adapter is not None and args.adapter not in {s.partition("=")[0] for s in args.lora}:
         raise CliError(f"--adapter {args.adapter!r} is not one of the --lora names")
-    lines = _read_request_lines(args.requests) if args.requests else []
+    lines = read_request_lines(args.requests) if args.requests else []
     if args.compile == "cudagraph":
         raise CliError("--compile cudagraph is not verified for encoders yet; use inductor")
     if args.kv_cache_tokens is not None:
         raise CliError("--kv-cache-tokens: an encoder has no KV cache")
-    engine, tokenizer = _engine_from_args(args, encoder=True)
+    engine, tokenizer = engine_from_args(args, encoder=True)
     pipe = engine.pipeline
     known = set(engine.list_loras())
     limit, flag = min((pipe.max_seq_len, "--max-seq-len"),
                       (pipe.max_num_batched_tokens, "--max-num-batched-tokens"))  # fmt: skip
 
     def row(obj: dict[str, Any]) -> tuple[list[int], str | None]:
-        return _embed_row(obj, tokenizer, known, limit, flag, args.truncate, pipe.config.vocab_size)
+        return embed_row(obj, tokenizer, known, limit, flag, args.truncate, pipe.config.vocab_size)
 
     if args.requests:
-        entries = _embed_entries(lines, row)
+        entries = embed_entries(lines, row)
     else:
         entries = []
         for i, text in enumerate(args.text):
@@ -671,7 +246,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
             "use it",
             file=sys.stderr,
         )
-    engine, tokenizer = _engine_from_args(args, enable_lora=args.allow_runtime_lora, encoder=None)
+    engine, tokenizer = engine_from_args(args, enable_lora=args.allow_runtime_lora, encoder=None)
     if tokenizer is None:
         raise CliError(f"--model {args.model!r}: no tokenizer found; the server needs one")
     config = server.ServerConfig(

@@ -62,7 +62,7 @@ class LoRAManager:
             refused).
         tied_modules: checkpoint modules the model ties to its input embedding, each to the
             embedding's module (PEFT's ``ensure_weight_tying``; see
-            :func:`lora_graph.checkpoint.peft_weight_ties`).
+            :func:`lora_graph.peft_config.peft_weight_ties`).
 
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new

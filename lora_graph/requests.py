@@ -128,7 +128,7 @@ class RequestState:
     generator: torch.Generator | None
     tokens: list[int]  # prompt and generated tokens
     generated: list[int] = field(default_factory=list)
-    hold: AdapterRef | None = None  # the adapter version it was admitted under
+    hold: AdapterRef | None = None  # the adapter version it is bound to (from arrival)
     arrival: float = 0.0
     token_times: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # its block table
@@ -151,5 +151,5 @@ class RequestState:
 
     @property
     def adapter(self) -> str | None:
-        """The routing key of its rows: the adapter version it holds once admitted."""
+        """The routing key of its rows: the adapter version it holds."""
         return self.hold.key if self.hold is not None else self.request.adapter

@@ -20,9 +20,10 @@ import torch
 from conftest import make_pipeline, prompts
 from safetensors.torch import load_file, save_file
 
-from lora_graph.cli import _REQUEST_FIELDS, main
+from lora_graph.cli import main
 from lora_graph.config import AdapterError
 from lora_graph.engine import LLMEngine, Request, SamplingParams, sample
+from lora_graph.request_files import REQUEST_FIELDS
 
 
 def _run(tiny, argv_extra, *, loras=("A", "B"), stdout=None):
@@ -581,7 +582,7 @@ WEIRD_VALUES = [
     {"a": 1},
     [[1]],
 ]
-FIELDS = [*sorted(_REQUEST_FIELDS), "unknown"]
+FIELDS = [*sorted(REQUEST_FIELDS), "unknown"]
 
 
 def _mutate_line(rng: random.Random, req: dict) -> bytes:
