@@ -16,25 +16,17 @@ bandwidth measured in the same run.
     python bench/decode.py --smoke              # tiny shapes on the CPU, to check it runs
 
 ``--variants`` times (b)-(e) again for each variant of the decode LoRA path (a fresh LoRA
-pipeline each, captured after the variant's switches are set), e.g.
-``--variants now "sync7:fused_silu=0,overwrite=0" "mixed:ranks=8/16/32/64"``; the switches:
+pipeline each, captured with the variant's kernel policy), e.g.
+``--variants now "unfused:fused_silu=0" "mixed:ranks=8/16/32/64"``; the switches:
 
-    fused_silu=0|1     ops.DECODE_FUSED_SILU (gate/up: side shrink + fused expand/SwiGLU)
-    overwrite=0|1      triton_launch.DELTA_OVERWRITE (the delta's expand writes every row)
-    fused_delta=0|1    triton_launch.DELTA_FUSED (the side-stream delta's shrink + expand in
-                       one launch; default 0)
-    k_steps=N          triton_launch.DELTA_K_STEPS (BLOCK_K steps a K split of that shrink
-                       takes; 0: the shrink's own split)
+    fused_silu=0|1     KernelPolicy.fused_silu_decode (gate/up: side shrink + fused
+                       expand/SwiGLU)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
-    rope_kv=0|1        blocks.ROPE_KV_OP (1: RoPE and the KV write as one op; 0, the
-                       default: torch ops that torch.compile fuses itself). It changes the
-                       base step too: compare the variants' (b), the LoRA pipeline's
-                       base-only step
-    rank_loop=0|1      triton_launch.RANK_FOLLOWING (1, the default: at 1-4 rows the
-                       shrink numbers only a slot's live columns and the expand loops over
-                       16-column rank chunks up to the slot's rank; 0: max_rank tiles
-                       masked past it)
+
+(The switches of experiments since removed from the library, ``overwrite``,
+``fused_delta``, ``k_steps``, ``rope_kv`` and ``rank_loop``, are in ``bench/RESULTS.md``
+with their measurements.)
 """
 
 from __future__ import annotations
@@ -50,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from lora_graph.kernels.policy import KernelPolicy
 
 LLAMA3_8B = dict(
     vocab_size=128256,
@@ -229,10 +223,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = (
-    "fused_silu", "overwrite", "fused_delta", "k_steps", "ranks", "slot_ranks", "rope_kv",
-    "rank_loop",
-)  # fmt: skip
+VARIANT_SWITCHES = ("fused_silu", "ranks", "slot_ranks")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -258,29 +249,18 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
                 raise SystemExit(
                     f"variant {name!r}: ranks must be positive integers, got {value!r}"
                 )
-        elif key == "k_steps":
-            if not (value.isascii() and value.isdigit()):
-                raise SystemExit(
-                    f"variant {name!r}: k_steps must be an integer >= 0, got {value!r}"
-                )
         elif value not in ("0", "1"):
             raise SystemExit(f"variant {name!r}: {key} must be 0 or 1, got {value!r}")
         switches[key] = value
     return name, switches
 
 
-def apply_switches(switches: dict[str, str]) -> None:
-    """Set the module switches of a variant (the defaults for those not named)."""
-    import lora_graph.ops as ops
-    from lora_graph.kernels import triton_launch
-    from lora_graph.models import blocks
-
-    blocks.ROPE_KV_OP = switches.get("rope_kv", "0") == "1"
-    ops.DECODE_FUSED_SILU = switches.get("fused_silu", "1") == "1"
-    triton_launch.DELTA_OVERWRITE = switches.get("overwrite", "1") == "1"
-    triton_launch.DELTA_FUSED = switches.get("fused_delta", "0") == "1"
-    triton_launch.DELTA_K_STEPS = int(switches.get("k_steps", "0"))
-    triton_launch.RANK_FOLLOWING = switches.get("rank_loop", "1") == "1"
+def variant_policy(switches: dict[str, str], no_side_stream: bool) -> KernelPolicy:
+    """The kernel policy of a variant (the defaults for the switches not named)."""
+    return KernelPolicy(
+        side_stream_max_rows=0 if no_side_stream else KernelPolicy().side_stream_max_rows,
+        fused_silu_decode=switches.get("fused_silu", "1") == "1",
+    )
 
 
 def mix(n_rows: int, names: list[str]) -> list[str]:
@@ -348,7 +328,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
@@ -442,10 +422,6 @@ def main() -> None:
         del long_pipe
         release_memory(device)
 
-    if args.no_side_stream:
-        import lora_graph.ops
-
-        lora_graph.ops.DELTA_MAX_ROWS = 0
     targets = None if args.targets == "all" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     written: dict[str, int] = {}
     rows: dict = {}
@@ -455,7 +431,6 @@ def main() -> None:
         # collector while the next one is being captured invalidates that capture
         lora = None
         gc.collect()
-        apply_switches(switches)
         torch._dynamo.reset()  # each pipeline compiles the same layer code afresh
         ranks = [int(r) for r in switches.get("ranks", "16").split("/")]
         for i, name in enumerate(names):
@@ -468,7 +443,11 @@ def main() -> None:
             str(work / "base"),
             **common,
             lora=LoRAConfig(
-                max_slots=16, max_rank=max(ranks), backend=args.backend, targets=targets
+                max_slots=16,
+                max_rank=max(ranks),
+                backend=args.backend,
+                targets=targets,
+                kernel_policy=variant_policy(switches, args.no_side_stream),
             ),
         )
         if switches.get("slot_ranks", "1") == "0":
@@ -495,7 +474,6 @@ def main() -> None:
         assert lora.graphs.recompiles == 0
         del lora
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    apply_switches({})
 
     if not args.skip_peft:
         from peft import PeftModel

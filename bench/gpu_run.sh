@@ -9,11 +9,10 @@
 #                                   max_seq_len 8192 compared) + bench/attention.py
 #   bash bench/gpu_run.sh decode64  bench/decode.py at context 64 + bench/adapter_load.py
 #   bash bench/gpu_run.sh decodevar bench/decode.py at context CONTEXT (64) over variants of the decode LoRA path
-#                                   (VARIANTS, default: the code's defaults against session 7's path,
+#                                   (VARIANTS, default: the code's defaults against the unfused gate/up,
 #                                   ranks 8/16/32/64 mixed in a rank-64 pool, with and without slot ranks)
 #   bash bench/gpu_run.sh profdecode bench/profile_step.py on a decode-only step of 64 (16 adapters)
 #   bash bench/gpu_run.sh profbase  bench/profile_step.py listing every kernel of decode steps (1 and 64 rows)
-#   bash bench/gpu_run.sh ropekv    the RoPE / KV-write op's GPU tests, then decode.py with it against without
 #   bash bench/gpu_run.sh profmixed bench/profile_step.py on decode steps of 1 and 64 rows, ranks 8/16/32/64
 #                                   in a rank-64 pool, then rank 16 alone (where a rank-64 pool's cost goes)
 #   bash bench/gpu_run.sh host      bench/host_time.py --profile (eager host time of one LoRA linear call)
@@ -59,7 +58,7 @@ for stage in "$@"; do
       python3 bench/adapter_load.py --json "$OUT/adapter_load.json" 2>&1 | tee "$OUT/adapter_load.log" | tail -4 ;;
     decodevar)
       python3 bench/decode.py --backend triton --skip-peft --context "${CONTEXT:-64}" \
-        --variants ${VARIANTS:-now "s7:fused_silu=0,overwrite=0,slot_ranks=0" \
+        --variants ${VARIANTS:-now "unfused:fused_silu=0" \
         "mixed:ranks=8/16/32/64" "mixed_blind:ranks=8/16/32/64,slot_ranks=0"} \
         --json "$OUT/decode_variants_${CONTEXT:-64}.json" 2>&1 | tee "$OUT/decode_variants_${CONTEXT:-64}.log" \
         | grep "^|" ;;
@@ -71,13 +70,6 @@ for stage in "$@"; do
         python3 bench/profile_step.py --tokens $1 --decodes $1 --context $2 --adapters 16 --kernels 40 2>&1 \
           | tee "$OUT/profile_base_${1}_${2}.log" | grep -v Warning | tail -95
       done ;;
-    ropekv)  # the RoPE / KV-write op (off by default until this stage has run): its GPU tests,
-      # then the decode step with it (variant "rope") against without ("now"); CONTEXT as decodevar
-      python3 -m pytest -rs -m "gpu or compile" -p no:cacheprovider tests/test_paged_attention.py \
-        tests/test_compile.py -k "rope or cuda or gpu" 2>&1 | tee "$OUT/gpu_ropekv.log" | tail -4
-      python3 bench/decode.py --backend triton --skip-peft --context "${CONTEXT:-64}" \
-        --variants now "rope:rope_kv=1" --json "$OUT/decode_ropekv_${CONTEXT:-64}.json" 2>&1 \
-        | tee "$OUT/decode_ropekv_${CONTEXT:-64}.log" | grep "^|" ;;
     profmixed)
       for tok in 1 64; do for r in 8/16/32/64 16; do
         python3 bench/profile_step.py --tokens $tok --decodes $tok --context 64 --adapters 16 --ranks $r 2>&1 \

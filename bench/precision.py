@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lora_graph import LoRAConfig
-from lora_graph.models import LlamaPipeline
+from lora_graph.architectures import LlamaPipeline
 
 
 def _test_helpers():

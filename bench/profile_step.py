@@ -126,7 +126,9 @@ def main() -> None:
         help="the adapters' ranks, cycled over them, e.g. 8/16/32/64 (the pool's max_rank is "
         "the largest; default 16)",
     )
-    p.add_argument("--side-stream-rows", type=int, default=None, help="ops.DELTA_MAX_ROWS")
+    p.add_argument(
+        "--side-stream-rows", type=int, default=None, help="KernelPolicy.side_stream_max_rows"
+    )
     p.add_argument(
         "--eager",
         action="store_true",
@@ -149,17 +151,18 @@ def main() -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import lora_graph.ops
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
+    from lora_graph.kernels.policy import KernelPolicy
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     shapes = dict(bench_decode.SMOKE if args.smoke else bench_decode.LLAMA3_8B)
     if args.smoke:
         args.tokens, args.decodes, args.chunk, args.context = 16, 4, 6, 20
         args.adapters, args.reps = 2, 2
+    policy = KernelPolicy()
     if args.side_stream_rows is not None:
-        lora_graph.ops.DELTA_MAX_ROWS = args.side_stream_rows
+        policy = KernelPolicy(side_stream_max_rows=args.side_stream_rows)
     work = Path(tempfile.mkdtemp(prefix="lora_graph_profile_"))
     hf_config = LlamaConfig(**shapes)
     hf_config.save_pretrained(work / "base")
@@ -177,7 +180,7 @@ def main() -> None:
         max_seq_len=2 * args.context + args.tokens,
         max_num_batched_tokens=args.tokens,
         weights=weights,
-        lora=LoRAConfig(max_slots=max(1, args.adapters), max_rank=max(ranks)),
+        lora=LoRAConfig(max_slots=max(1, args.adapters), max_rank=max(ranks), kernel_policy=policy),
     )
     del weights
     for name in names:

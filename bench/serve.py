@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="row counts up to which a LoRA linear runs its delta on a side stream beside the "
-        "base GEMM (lora_graph.ops.DELTA_MAX_ROWS, default 64)",
+        "base GEMM (KernelPolicy.side_stream_max_rows, default 64)",
     )
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
@@ -242,8 +242,9 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lora_graph import LoRAConfig
+    from lora_graph.architectures import LlamaPipeline
     from lora_graph.engine import LLMEngine
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.kernels.policy import KernelPolicy
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     shapes = dict(LLAMA3_8B)
@@ -269,10 +270,9 @@ def main() -> None:
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
         write_adapter(work / name, shapes, 16, seed=100 + i)
+    policy = KernelPolicy()
     if args.side_stream_rows is not None:
-        import lora_graph.ops
-
-        lora_graph.ops.DELTA_MAX_ROWS = args.side_stream_rows
+        policy = KernelPolicy(side_stream_max_rows=args.side_stream_rows)
     reqs = workload(args, names, shapes["vocab_size"])
     print(
         f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "
@@ -325,7 +325,7 @@ def main() -> None:
 
     if not args.skip_base:
         run("base", None, True)
-    run("lora", LoRAConfig(max_slots=args.max_loras, max_rank=16), False)
+    run("lora", LoRAConfig(max_slots=args.max_loras, max_rank=16, kernel_policy=policy), False)
     if args.peft_requests:
         sub = reqs[: args.peft_requests]
         m = serve_peft(hf, work, names, sub, args.output_len)

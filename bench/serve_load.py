@@ -122,8 +122,8 @@ def main() -> None:
 
     from lora_graph import LoRAConfig
     from lora_graph import server as S
+    from lora_graph.architectures import LlamaPipeline
     from lora_graph.engine import LLMEngine, Request, SamplingParams
-    from lora_graph.models import LlamaPipeline
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"

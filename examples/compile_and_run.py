@@ -23,9 +23,8 @@ import torch
 from transformers import AutoTokenizer
 
 from lora_graph import LoRAConfig
-from lora_graph.compile.keys import LoraBaseOnly
+from lora_graph.architectures import LlamaPipeline
 from lora_graph.engine import LLMEngine, Request, SamplingParams
-from lora_graph.models import LlamaPipeline
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -73,7 +72,7 @@ def main() -> None:
         f"({args.compile}, {args.device})"
     )
     for key, graph in graphs.graphs.items():
-        kind = "none" if isinstance(key, LoraBaseOnly) else ", ".join(sorted(graph.lora_ops))
+        kind = "none" if not key.lora else ", ".join(sorted(graph.lora_ops))
         print(
             f"  {str(key):36s} layer graphs compiled: {graph.compiles}  layer graph inputs: "
             f"{graph.inputs}  LoRA ops: {kind}"

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lora_graph.models import PIPELINES, pipeline_class
+from lora_graph.architectures import PIPELINES, LlamaPipeline, pipeline_class
 from lora_graph.models.blocks import AttentionMetadata, GatedMLP, PagedAttention, RMSNorm
-from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline, hf_fields
+from lora_graph.models.llama import LlamaConfig, LlamaModel, hf_fields
 from lora_graph.routing import Routing
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lora_graph.kernels.attention_args import FLOAT_DTYPES, check_args
+from lora_graph.kernels.attention_args import check_args
 
 
 @functools.cache
@@ -131,81 +131,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(((rot * cos + rotate_half(rot) * sin).to(x.dtype), rest), dim=-1)
 
 
-def check_rope_args(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    slot_mapping: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-) -> None:
-    """:func:`rope_kv_write`'s shape, dtype and device checks (no host sync).
-
-    Raises:
-        ValueError: naming the first argument that does not fit.
-    """
-    if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q must be [T, Hq, D] float32/bfloat16/float16, got {q.dtype} {q.shape}")
-    t, _, d = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if x.dim() != 3 or x.shape[0] != t or x.shape[2] != d or x.dtype != q.dtype:
-            raise ValueError(f"{name} must be [{t}, Hkv, {d}] {q.dtype}, got {x.dtype} {x.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    for name, c in (("cos", cos), ("sin", sin)):
-        if (
-            c.dim() != 2
-            or c.shape[0] != t
-            or c.shape[1] % 2
-            or not 0 < c.shape[1] <= d
-            or c.dtype not in FLOAT_DTYPES
-        ):
-            raise ValueError(
-                f"{name} must be [{t}, rotary_dim] float32/bfloat16/float16 with an even "
-                f"rotary_dim <= {d}, got {c.dtype} {tuple(c.shape)}"
-            )
-    if cos.shape != sin.shape or cos.dtype != sin.dtype:
-        raise ValueError(
-            f"cos {cos.dtype} {tuple(cos.shape)} and sin {sin.dtype} {tuple(sin.shape)} differ"
-        )
-    if slot_mapping.shape != (t,) or slot_mapping.dtype != torch.int64:
-        raise ValueError(
-            f"slot_mapping must be [{t}] int64, got {slot_mapping.dtype} "
-            f"{tuple(slot_mapping.shape)}"
-        )
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[1:] != k.shape[1:] or c.dtype != q.dtype or c.stride(2) != 1:
-            raise ValueError(
-                f"{name} must be [slots, {k.shape[1]}, {d}] {q.dtype} with its last dim "
-                f"contiguous, got {c.dtype} {tuple(c.shape)} strides {c.stride()}"
-            )
-    tensors = (q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must share one device, got {sorted(map(str, devices))}")
-
-
-def rope_kv_write_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    slot_mapping: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-) -> Tensor:
-    """:func:`rope_kv_write` in torch ops: :func:`apply_rope` on q and k, k and v stored
-    with one indexed store each (in ``q``'s dtype op by op, as in eager transformers)."""
-    cos, sin = cos[:, None], sin[:, None]
-    k_cache[slot_mapping] = apply_rope(k, cos, sin)
-    v_cache[slot_mapping] = v
-    return apply_rope(q, cos, sin).contiguous()
-
-
-@torch.library.custom_op("lora_graph::rope_kv_write", mutates_args=("k_cache", "v_cache"))
 def rope_kv_write(
     q: Tensor,
     k: Tensor,
@@ -217,9 +142,9 @@ def rope_kv_write(
     v_cache: Tensor,
 ) -> Tensor:
     """RoPE on a step's queries and keys, and its keys and values written into the paged
-    KV cache: one op, so that on CUDA the three become one Triton kernel
-    (:func:`lora_graph.kernels.triton_attention.rope_kv_write`) where ``torch.compile``
-    made two or three of them a layer.
+    KV cache, in torch ops that ``torch.compile`` fuses (with the q/k/v LoRA delta's add):
+    :func:`apply_rope` on q and k, k and v stored with one indexed store each (in ``q``'s
+    dtype op by op, as in eager transformers).
 
     Args:
         q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, in one float dtype (views of a fused
@@ -228,35 +153,16 @@ def rope_kv_write(
             most ``D``; the first ``rotary_dim`` dims rotate as ``rotate_half``, the rest
             pass through).
         slot_mapping: ``[T]`` int64, each token's flat cache position
-            (``page * page_size + offset``), each in ``[0, slots)``: not checked (that
-            would read the device), and the Triton kernel does not wrap negative ones.
-        k_cache, v_cache: ``[slots, Hkv, D]`` flat caches (the last dim contiguous),
-            written at ``slot_mapping``.
+            (``page * page_size + offset``).
+        k_cache, v_cache: ``[slots, Hkv, D]`` flat caches, written at ``slot_mapping``.
 
     Returns:
-        the rotated ``q``, ``[T, Hq, D]`` contiguous. On the CPU (the reference) each op
-        rounds to the dtype as eager transformers does; the Triton kernel rotates in float32
-        and rounds once, as ``torch.compile``'s fused kernel did.
-
-    Raises:
-        ValueError: for bad shapes / dtypes / devices (:func:`check_rope_args`).
+        the rotated ``q``, ``[T, Hq, D]`` contiguous.
     """
-    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-    return rope_kv_write_reference(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-
-
-@rope_kv_write.register_kernel("cuda")
-def _(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-    impl = _triton()
-    fn = impl.rope_kv_write if impl is not None else rope_kv_write_reference
-    return fn(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-
-
-@rope_kv_write.register_fake
-def _(q, k, v, cos, sin, slot_mapping, k_cache, v_cache):
-    check_rope_args(q, k, v, cos, sin, slot_mapping, k_cache, v_cache)
-    return q.new_empty(q.shape)
+    cos, sin = cos[:, None], sin[:, None]
+    k_cache[slot_mapping] = apply_rope(k, cos, sin)
+    v_cache[slot_mapping] = v
+    return apply_rope(q, cos, sin).contiguous()
 
 
 @torch.library.custom_op("lora_graph::paged_attention", mutates_args=())

@@ -9,6 +9,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from lora_graph.kernels.policy import KernelPolicy
+
 # an adapter's name, as the server's runtime loads and the command line's --lora take it
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -69,6 +71,9 @@ class LoRAConfig:
         dtype: slot dtype (None: the model's dtype).
         backend: shrink/expand kernels: ``"auto"`` (Triton on CUDA when available, else the
             torch reference), ``"torch"`` or ``"triton"``.
+        kernel_policy: which path each LoRA layer's call takes (the side-stream delta at
+            decode, the fused gate/up activation; :class:`~lora_graph.kernels.policy.
+            KernelPolicy`), fixed when the layers are built.
     """
 
     max_slots: int = 4
@@ -79,6 +84,7 @@ class LoRAConfig:
     targets: tuple[str, ...] | None = None
     dtype: torch.dtype | None = None
     backend: Literal["auto", "torch", "triton"] = "auto"
+    kernel_policy: KernelPolicy = field(default_factory=KernelPolicy)
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:

@@ -16,13 +16,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig
 from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
-from lora_graph.pipeline import PipelineModelWithKVCache
+from lora_graph.paging import PagePool
+from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
 from lora_graph.requests import (
     MIN_TEMPERATURE,
     Request,
@@ -105,16 +107,19 @@ class LLMEngine:
 
     def __init__(
         self,
-        pipeline: PipelineModelWithKVCache,
+        pipeline: PipelineModel,
         *,
         eos_token_ids: tuple[int, ...] = (),
         async_scheduling: bool | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.pages = pipeline.pages
+        # an encoder (no KV cache) generates nothing: its engine holds an empty pool
+        self.pages = (
+            pipeline.pages if isinstance(pipeline, PipelineModelWithKVCache) else PagePool(2, 1)
+        )
         self.scheduler = Scheduler(
-            pipeline.pages,
+            self.pages,
             max_batch_size=pipeline.max_batch_size,
             max_step_tokens=pipeline.max_step_tokens,
             max_seq_len=pipeline.max_seq_len,
@@ -164,7 +169,7 @@ class LLMEngine:
     def is_encoder(self) -> bool:
         """Whether the model is an encoder (sentence embeddings through :meth:`embed`, no
         generation)."""
-        return hasattr(self.pipeline, "embed")
+        return not isinstance(self.pipeline, PipelineModelWithKVCache)
 
     @property
     def max_seq_len(self) -> int:
@@ -249,9 +254,9 @@ class LLMEngine:
             ValueError: for a model that is not an encoder, or a bad row (named).
         """
         embed = getattr(self.pipeline, "embed", None)
-        if embed is None:
+        if not self.is_encoder or embed is None:
             raise ValueError("the model is not an encoder")
-        return embed(rows)
+        return cast(Tensor, embed(rows))
 
     # ---- admission --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -307,6 +312,8 @@ class LLMEngine:
         return False
 
     def _validate(self, request: Request) -> None:
+        if self.is_encoder:
+            raise ValueError("the model is an encoder: it embeds (embed), it does not generate")
         manager = self.pipeline.manager
         LoraReqConfig(request.adapter).validate(manager.loras if manager is not None else ())
         request.sampling.validate()

@@ -8,7 +8,7 @@ import argparse
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,8 +51,10 @@ def build_engine(
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from lora_graph.models import pipeline_class
-    from lora_graph.pipeline import MemoryBudgetError, resolve_model_path
+    from lora_graph.architectures import pipeline_class
+    from lora_graph.loading.model_files import resolve_model_path
+    from lora_graph.memory import MemoryBudgetError
+    from lora_graph.pipeline import PipelineModelWithKVCache
 
     check_engine_flags(  # before anything is loaded or captured
         loras,
@@ -72,9 +74,10 @@ def build_engine(
         hf_config = AutoConfig.from_pretrained(model_dir)
         cls = pipeline_class(hf_config.model_type)
         kind = f"model {model!r} ({hf_config.model_type})"
-        if encoder is False and hasattr(cls, "embed"):
+        decoder = issubclass(cls, PipelineModelWithKVCache)
+        if encoder is False and not decoder:
             raise CliError(f"{kind} is an encoder; use lora-graph embed")
-        if encoder is True and not hasattr(cls, "embed"):
+        if encoder is True and decoder:
             raise CliError(f"{kind} is not an encoder (embed: bert)")
         if max_seq_len is None:
             max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
@@ -96,9 +99,9 @@ def build_engine(
                 if max_num_batched_tokens is None
                 else max_num_batched_tokens
             ),
-            kv_cache_tokens=kv_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
+            **cast(dict[str, Any], {"kv_cache_tokens": kv_cache_tokens} if decoder else {}),
         )
     except MemoryBudgetError as e:
         raise CliError(_flag_names(str(e))) from e

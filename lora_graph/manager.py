@@ -23,9 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from lora_graph import ops
-from lora_graph.checkpoint import AdapterReader, AdapterSource, ModuleMap, resolve_adapter
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
 from lora_graph.layout import AdapterImage, SlotLayout
+from lora_graph.loading.adapter_files import (
+    AdapterReader,
+    AdapterSource,
+    ModuleMap,
+    resolve_adapter,
+)
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
 from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
@@ -62,7 +67,7 @@ class LoRAManager:
             refused).
         tied_modules: checkpoint modules the model ties to its input embedding, each to the
             embedding's module (PEFT's ``ensure_weight_tying``; see
-            :func:`lora_graph.peft_config.peft_weight_ties`).
+            :func:`lora_graph.loading.peft_config.peft_weight_ties`).
 
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new
@@ -101,7 +106,7 @@ class LoRAManager:
         self.reader = AdapterReader(
             targets, module_map, num_layers, frozenset(ignored_modules), tied_modules
         )
-        self.kernels = ops.kernels(config.backend, self.device)
+        self.kernels = ops.kernels(config.backend, self.device, config.kernel_policy)
         self.registry = AdapterRegistry()
         self.host = HostTier(
             config.cpu_capacity, pin=self.device.type == "cuda", spare=self.registry.is_unloading

@@ -36,26 +36,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from lora_graph.kernels import reference
-
-# Row counts up to which a LoRA linear traced by torch.compile or captured in a CUDA graph
-# runs its delta on a side stream beside the base linear (decode), when the kernels have
-# ``linear_delta``; above it (and outside graphs), shrink + expand run in place after the
-# base linear.
-DELTA_MAX_ROWS = 64
-# Up to DELTA_MAX_ROWS rows, whether a gated MLP's gate/up projection runs
-# ``lora_linear_shrink`` + ``lora_expand_silu_mul`` (when the kernels have both) instead of
-# ``lora_linear_delta`` + the activation, from DECODE_FUSED_SILU_MIN_ROWS rows on; read when
-# a step is traced (benchmarks compare both). On the H200 (Llama-3-8B shapes, 4 adapters)
-# the fused path took 2-5% off a decode step at 8-64 rows, and added 1.5% at 1 row, where
-# the side-stream delta hides entirely behind the GEMM and the fused kernel does not.
-DECODE_FUSED_SILU = True
-DECODE_FUSED_SILU_MIN_ROWS = 8
+from lora_graph.kernels.policy import KernelPolicy
+from lora_graph.routing import Routing
 
 
 @functools.cache
@@ -243,14 +233,51 @@ def _(x, weight, bias, a, num_slices, lora_ids, grouped_offsets, end, ranks=None
     return x.new_empty((n, weight.shape[0])), x.new_empty((num_slices, n, r), dtype=torch.float32)
 
 
+class LoRALinearParams(Protocol):
+    """What the backend reads of a LoRA linear (:class:`lora_graph.layers.LoRALinear`): its
+    base linear, its slot stacks ``a`` ``[num_slots, S * R, in]`` and ``b``
+    ``[num_slots, out, R]``, the pool's slot ``ranks``, its slices, whether it is routed
+    per request (an LM head), and its cached one-launch plans (token or segment routing)."""
+
+    base: nn.Linear
+    a: Tensor
+    b: Tensor
+    ranks: Tensor | None
+    num_slices: int
+    out_slices: list[int]
+    per_segment: bool
+    plans_tokens: dict
+    plans_segments: dict
+
+
+def silu_and_mul(y: Tensor) -> Tensor:
+    """A gated MLP's activation (SwiGLU; Shazeer 2020, "GLU Variants Improve Transformer"):
+    ``silu(g) * u`` where ``[g | u] = y`` splits the last dim in two halves."""
+    gate, up = y.split(y.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def in_graph(x: Tensor) -> bool:
+    """Whether this call is traced by ``torch.compile`` or captured into a CUDA graph: only
+    there does overlapping LoRA with the base GEMM on a side stream pay (an eager call is
+    bound by its host time; one fewer op and no float32 delta serve it better)."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 @dataclass(frozen=True)
 class Kernels:
-    """What a LoRA layer calls, with the signatures of the ops above: the ops themselves
-    (per-device dispatch), or for a forced backend the implementations directly.
+    """The kernels backend: what a LoRA layer calls, with the signatures of the ops above
+    (the ops themselves, per-device dispatch, or for a forced backend the implementations
+    directly), and the path each call takes, picked from :attr:`policy`
+    (:meth:`linear`, :meth:`silu_and_mul`, :meth:`embedding`).
+
     ``linear_delta`` is None where the side-stream delta is not used; ``expand_silu_mul``
     None where a gated MLP expands in place and applies its activation after (the fused
     kernel would gain nothing: the CPU); ``linear_shrink`` None where a gated MLP's decode
-    does not shrink beside its GEMM."""
+    does not shrink beside its GEMM; ``delta_`` (shrink + expand in one launch,
+    ``delta_(y, x, a, b, out_slices, *routing, ranks=, plans=)``; no op: never traced) None
+    where eager decode calls shrink and expand; ``direct`` the same implementations without
+    the op dispatch, for eager calls (None: these are)."""
 
     shrink: Callable[..., Tensor]
     embedding_shrink: Callable[..., Tensor]
@@ -258,15 +285,101 @@ class Kernels:
     linear_delta: Callable[..., tuple[Tensor, Tensor]] | None = None
     expand_silu_mul: Callable[..., Tensor] | None = None
     linear_shrink: Callable[..., tuple[Tensor, Tensor]] | None = None
-    # shrink + expand_ in one launch, ``delta_(y, x, a, b, out_slices, *routing, ranks=)``,
-    # for eager calls of at most DELTA_MAX_ROWS rows (no op: never traced)
     delta_: Callable[..., None] | None = None
-    # the same implementations without the op dispatch, for eager calls (None: these are)
     direct: Kernels | None = None
+    policy: KernelPolicy = field(default_factory=KernelPolicy)
+
+    def now(self) -> Kernels:
+        """The ops while ``torch.compile`` traces (one opaque node each); outside, the
+        implementations they dispatch to, called directly (the dispatch is host time only)."""
+        if self.direct is None or torch.compiler.is_compiling():
+            return self
+        return self.direct
+
+    def linear(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
+        """``layer.base(x)`` plus the LoRA delta of the rows ``routing`` sends to adapters
+        (:class:`lora_graph.layers.LoRALinear`'s forward). Within
+        ``policy.side_stream_max_rows`` rows in a graph, with ``linear_delta``: the base
+        linear and the delta in one op, the delta on a side stream, added after it in
+        float32 and rounded once. Otherwise shrink and expand after the base linear (the
+        expand adds in float32 and rounds once; eagerly within that many rows, with
+        ``delta_``, in one launch): the same result."""
+        by_segment = layer.per_segment and x.dim() == 2
+        route = routing.segments if by_segment else routing.tokens
+        x2 = x.reshape(-1, x.shape[-1])
+        k = self.now()
+        small = x2.shape[0] <= self.policy.side_stream_max_rows
+        if k.linear_delta is not None and small and in_graph(x2):
+            y, buf = k.linear_delta(
+                x2, layer.base.weight, layer.base.bias, layer.a, layer.b, layer.num_slices,
+                layer.out_slices, *route, ranks=layer.ranks,
+            )  # fmt: skip
+            d = buf[: y.numel()].view(y.shape)
+            return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
+        y = layer.base(x)
+        if k.delta_ is not None and small:  # eager decode
+            plans = layer.plans_segments if by_segment else layer.plans_tokens
+            k.delta_(y.view(-1, y.shape[-1]), x2, layer.a, layer.b, layer.out_slices, *route,
+                     ranks=layer.ranks, plans=plans)  # fmt: skip
+            return y
+        h = k.shrink(x2, layer.a, layer.num_slices, *route, ranks=layer.ranks)
+        k.expand(y.view(-1, y.shape[-1]), h, layer.b, layer.out_slices, *route, ranks=layer.ranks)
+        return y
+
+    def silu_and_mul(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
+        """``silu_and_mul(layer(x))`` with LoRA. With ``expand_silu_mul`` and a two-slice
+        target of equal halves (gate, up), the expand and the activation are one kernel:
+        the ``[N, 2I]`` output is read once instead of read, written and read again, and no
+        delta goes through memory. Within ``policy.side_stream_max_rows`` rows in a graph
+        that takes ``linear_shrink`` (the shrink beside the base GEMM on a side stream),
+        ``policy.fused_silu_decode`` and at least ``policy.fused_silu_min_rows`` rows;
+        otherwise decode takes :meth:`linear`'s side-stream delta and the activation
+        after."""
+        k = self.now()
+        x2 = x.reshape(-1, x.shape[-1])
+        n, policy = x2.shape[0], self.policy
+        side = n <= policy.side_stream_max_rows and in_graph(x2)  # decode in a graph
+        fused_side = (
+            k.linear_shrink is not None
+            and policy.fused_silu_decode
+            and n >= policy.fused_silu_min_rows
+        )
+        if (
+            k.expand_silu_mul is None
+            or (side and not fused_side)
+            or layer.per_segment
+            or layer.out_slices != [layer.out_slices[0]] * 2
+        ):
+            return silu_and_mul(self.linear(layer, x, routing))
+        route = routing.tokens
+        if side:
+            assert k.linear_shrink is not None  # (fused_side)
+            y, h = k.linear_shrink(
+                x2, layer.base.weight, layer.base.bias, layer.a, layer.num_slices, *route,
+                ranks=layer.ranks,
+            )  # fmt: skip
+        else:
+            y = layer.base(x2)
+            h = k.shrink(x2, layer.a, layer.num_slices, *route, ranks=layer.ranks)
+        out = k.expand_silu_mul(y, h, layer.b, *route, ranks=layer.ranks)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def embedding(
+        self, base: nn.Embedding, a: Tensor, b: Tensor, ranks: Tensor | None, tokens: Tensor,
+        routing: Routing,
+    ) -> Tensor:  # fmt: skip
+        """``base(tokens)`` plus the LoRA delta ``A[:, tokens[t]] @ B.T`` of the tokens the
+        routing sends to adapters (:class:`lora_graph.layers.LoRAEmbedding`)."""
+        y = base(tokens)
+        k = self.now()
+        h = k.embedding_shrink(tokens.reshape(-1), a, *routing.tokens)
+        k.expand(y.view(-1, y.shape[-1]), h, b, [y.shape[-1]], *routing.tokens, ranks=ranks)
+        return y
 
 
-def kernels(backend: str, device: torch.device) -> Kernels:
-    """The :class:`Kernels` of a ``LoRAConfig.backend``:
+def kernels(backend: str, device: torch.device, policy: KernelPolicy | None = None) -> Kernels:
+    """The :class:`Kernels` of a ``LoRAConfig.backend``, taking its paths by ``policy``
+    (default: :class:`KernelPolicy`'s defaults):
 
     - ``"auto"``: the ops (Triton on CUDA when installed, the reference elsewhere), and on
       CUDA with Triton the side-stream ``linear_delta`` / ``linear_shrink`` at decode and
@@ -283,11 +396,14 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         ValueError: for ``"triton"`` without Triton, or off CUDA without the interpreter;
             for an unknown backend.
     """
+    policy = policy or KernelPolicy()
     if backend == "torch":
-        return Kernels(reference.shrink, reference.embedding_shrink, reference.expand_)
+        return Kernels(
+            reference.shrink, reference.embedding_shrink, reference.expand_, policy=policy
+        )
     if backend not in ("auto", "triton"):
         raise ValueError(f"backend must be auto, torch or triton, got {backend!r}")
-    ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_)
+    ops = Kernels(lora_shrink, lora_embedding_shrink, lora_expand_, policy=policy)
     if backend == "auto" and device.type != "cuda":
         return ops  # (Triton is not even imported: 0.2 s of start-up)
     impl = _triton()
@@ -303,6 +419,7 @@ def kernels(backend: str, device: torch.device) -> Kernels:
         impl.expand_silu_mul,
         impl.linear_shrink,
         impl.delta_,
+        policy=policy,
     )
     if device.type == "cuda":
         return Kernels(
@@ -313,6 +430,7 @@ def kernels(backend: str, device: torch.device) -> Kernels:
             lora_expand_silu_mul,
             lora_linear_shrink,
             direct=triton_impl,
+            policy=policy,
         )
     if not impl.interpreted():
         raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")

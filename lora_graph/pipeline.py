@@ -1,151 +1,48 @@
-"""The base class for a model over a paged KV cache, served with per-request LoRA."""
+"""The pipeline base classes: a model architecture served with per-request LoRA in packed
+steps, and the runner that builds, prepares and executes its step.
+
+:class:`PipelineModel` is the runner (:meth:`~PipelineModel.load_model`,
+:meth:`~PipelineModel.prepare`, :meth:`~PipelineModel.execute`,
+:meth:`~PipelineModel.enable_compile`) and what an architecture declares (its config, its
+module, its LoRA target table, its checkpoint renaming); an encoder subclasses it.
+:class:`PipelineModelWithKVCache` adds the paged KV cache a decoder needs. Reading files is
+:mod:`lora_graph.loading`'s job, sizing memory :mod:`lora_graph.memory`'s, and the captured
+graphs :mod:`lora_graph.compile`'s.
+"""
 
 from __future__ import annotations
 
 import abc
-import json
-import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from lora_graph import memory
 from lora_graph.config import LoRAConfig
-from lora_graph.layout import SlotLayout
+from lora_graph.loading.model_files import parse_dtype, read_checkpoint, resolve_model_path
 from lora_graph.manager import LoRAManager
 from lora_graph.paging import PagePool
+from lora_graph.routing import Routing
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
 
 if TYPE_CHECKING:
     from lora_graph.compile.cache import GraphCache
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"float32"|"bfloat16"|"float16"`` (or a dtype) to a ``torch.dtype``.
-
-    Raises:
-        ValueError: for any other name.
-    """
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r} (one of {', '.join(_DTYPES)})") from None
-
-
-def resolve_model_path(path: str) -> str:
-    """A local model directory, or a Hugging Face repo id fetched with
-    ``huggingface_hub.snapshot_download`` (which honours ``HF_HUB_OFFLINE`` and its cache).
-
-    Raises:
-        FileNotFoundError: if ``path`` is neither a directory with ``config.json`` nor a
-            repo id that can be fetched.
-    """
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path}: no config.json in the model directory")
-        return path
-    if path.startswith(("/", ".", "~")) or os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such model directory")
-    if path.count("/") != 1:
-        raise FileNotFoundError(f"{path}: not a model directory or a Hugging Face repo id")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(
-            path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
-        )
-    except Exception as e:  # the hub raises many kinds; the cause goes into the message
-        raise FileNotFoundError(
-            f"{path}: not a local directory, and fetching it from the Hugging Face hub failed ({e})"
-        ) from e
-
-
-def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
-    """All tensors of the model's checkpoint: ``model.safetensors``, the shards a
-    ``model.safetensors.index.json`` names, or, where there is no safetensors checkpoint,
-    ``pytorch_model.bin`` or the shards of ``pytorch_model.bin.index.json`` (read with
-    ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only).
-
-    Raises:
-        FileNotFoundError: if the directory has none of them.
-        ValueError: if a file cannot be read as its format (the message names it).
-    """
-    from safetensors.torch import load_file
-
-    def read(path: str) -> dict[str, Tensor]:
-        try:
-            if path.endswith(".bin"):
-                return torch.load(path, map_location="cpu", weights_only=True)
-            return load_file(path)
-        except (
-            Exception
-        ) as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
-            raise ValueError(
-                f"{path}: not a readable {'torch' if path.endswith('.bin') else 'safetensors'} "
-                f"checkpoint ({e})"
-            ) from e
-
-    for single, index in (
-        ("model.safetensors", "model.safetensors.index.json"),
-        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
-    ):
-        if os.path.isfile(os.path.join(model_dir, single)):
-            return read(os.path.join(model_dir, single))
-        if os.path.isfile(os.path.join(model_dir, index)):
-            try:
-                with open(os.path.join(model_dir, index)) as f:
-                    shards = sorted(set(json.load(f)["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(
-                    f"{os.path.join(model_dir, index)}: not a checkpoint index ({e})"
-                ) from e
-            state: dict[str, Tensor] = {}
-            for shard in shards:
-                state.update(read(os.path.join(model_dir, shard)))
-            return state
-    raise FileNotFoundError(
-        f"{model_dir}: no model.safetensors, pytorch_model.bin or their sharded index"
-    )
-
-
-class MemoryBudgetError(ValueError):
-    """The requested sizes do not fit the device's free memory; the message says what would
-    be allocated and what fits."""
-
-
-def free_memory_bytes(device: torch.device) -> int | None:
-    """Free memory where ``device``'s tensors live: ``torch.cuda.mem_get_info`` on CUDA,
-    ``MemAvailable`` of ``/proc/meminfo`` on the CPU; None where neither can be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-class PipelineModelWithKVCache(abc.ABC):
-    """A model architecture over a paged KV cache, served with per-request LoRA in packed
-    steps (:mod:`lora_graph.step`).
+class PipelineModel(abc.ABC):
+    """A model architecture served with per-request LoRA in packed steps
+    (:mod:`lora_graph.step`), without a KV cache: an encoder, whose step is whole
+    sentences. :class:`PipelineModelWithKVCache` adds the KV cache.
 
     A subclass implements :meth:`_create_model_config` (the architecture's config from the
     Hugging Face one) and :meth:`_instantiate_module`, and declares its LoRA target table
     (:meth:`lora_targets`: the module map and paths derive from it), its
-    :meth:`weights_adapter` (checkpoint key renaming), its step inputs
-    (:meth:`_get_compile_input_types`) and the
-    bytes of KV cache a token takes (:meth:`kv_bytes_per_token`). :meth:`load_model`
-    builds the module, wraps it with the LoRA manager, and loads the checkpoint through
-    the adapter.
+    :meth:`weights_adapter` (checkpoint key renaming) and its step inputs
+    (:meth:`_get_compile_input_types`). :meth:`load_model` builds the module, wraps it
+    with the LoRA manager, and loads the checkpoint through the adapter.
 
     Args:
         model_path: a Hugging Face model directory or repo id.
@@ -154,10 +51,6 @@ class PipelineModelWithKVCache(abc.ABC):
         max_batch_size: the most requests in one step (and running at once).
         max_seq_len: the longest request (prompt plus generated tokens).
         max_num_batched_tokens: the most tokens in one step (prefill chunks plus decodes).
-        page_size: token positions per KV cache page.
-        kv_cache_tokens: token positions of the KV cache pool, or None to size it: on CUDA
-            from ``gpu_memory_utilization``, elsewhere ``max_batch_size * max_seq_len``
-            (every request at full length). Either way at most that many are allocated.
         gpu_memory_utilization: on CUDA, the fraction of the device's memory this pipeline
             may use (weights, adapter slots, activations and the KV cache), as vLLM's
             option of the same name.
@@ -168,7 +61,7 @@ class PipelineModelWithKVCache(abc.ABC):
     Raises:
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported
             (or a CUDA device for an architecture not :attr:`verified_on_cuda`).
-        MemoryBudgetError: if the KV cache cannot hold one request of ``max_seq_len``.
+        MemoryBudgetError: if the sizes do not fit the device (:mod:`lora_graph.memory`).
     """
 
     #: False for an architecture whose CUDA parity test (against ``transformers`` + ``peft``)
@@ -184,8 +77,6 @@ class PipelineModelWithKVCache(abc.ABC):
         max_batch_size: int = 8,
         max_seq_len: int = 512,
         max_num_batched_tokens: int = 2048,
-        page_size: int = 16,
-        kv_cache_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
         weights: dict[str, Tensor] | None = None,
@@ -201,10 +92,6 @@ class PipelineModelWithKVCache(abc.ABC):
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                 f"max_batch_size ({max_batch_size}): every running request decodes each step"
             )
-        if page_size < 1:
-            raise ValueError(f"page_size must be at least 1, got {page_size}")
-        if kv_cache_tokens is not None and kv_cache_tokens < 1:
-            raise ValueError(f"kv_cache_tokens must be at least 1, got {kv_cache_tokens}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -220,7 +107,7 @@ class PipelineModelWithKVCache(abc.ABC):
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.page_size = page_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -228,9 +115,7 @@ class PipelineModelWithKVCache(abc.ABC):
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
             )
-        self.num_kv_pages = 2  # what the module is built with while it is only measured
-        self.num_kv_pages = self._size_kv_cache(lora, kv_cache_tokens, gpu_memory_utilization)
-        self.pages = PagePool(self.num_kv_pages, page_size)
+        self._plan_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
             self.manager = LoRAManager(
@@ -251,108 +136,40 @@ class PipelineModelWithKVCache(abc.ABC):
             self._get_compile_input_types(),
             max_tokens=max_num_batched_tokens,
             max_seqs=max_batch_size,
-            max_pages=self.pages.pages_for(max_seq_len),
-            page_size=page_size,
+            max_pages=self._max_pages_per_request(),
+            page_size=self._page_size(),
             device=self.device,
         )
         self.graphs: GraphCache | None = None
         if self.manager is not None:
             self.manager.load_configured()
 
+    # ---- memory -------------------------------------------------------------------------
     def _slot_bytes(self, lora: LoRAConfig | None) -> int:
-        if lora is None:
-            return 0
-        targets = self.lora_targets()
-        if lora.targets is not None:
-            targets = {k: v for k, v in targets.items() if k in lora.targets}
-        itemsize = (lora.dtype or self.dtype).itemsize
-        return SlotLayout(targets, self.num_layers, lora.max_rank).numel * lora.num_slots * itemsize
+        return memory.slot_bytes(lora, self.lora_targets(), self.num_layers, self.dtype)
 
-    def _weight_bytes(self) -> int:
-        """Parameter bytes of the module, counted on the meta device (nothing allocated)."""
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device("meta"):
-                module = self._instantiate_module(self.config)
-        finally:
-            torch.set_default_dtype(previous)
-        seen = {id(p): p for p in module.parameters()}  # tied weights once
-        return sum(p.numel() * p.element_size() for p in seen.values())
-
-    def _activation_bytes(self) -> int:
-        """A generous bound on a step's activations at ``max_num_batched_tokens``."""
-        hidden = getattr(self.config, "hidden_size", 0)
-        inter = getattr(self.config, "intermediate_size", 0)
-        vocab = getattr(self.config, "vocab_size", 0)
-        per_token = (8 * hidden + 4 * inter) * 4  # float32 temporaries
-        return self.max_num_batched_tokens * per_token + 2 * self.max_batch_size * vocab * 4
-
-    def _size_kv_cache(
-        self, lora: LoRAConfig | None, kv_cache_tokens: int | None, utilization: float
-    ) -> int:
-        """KV cache pages (the scratch page included) for the memory budget, and refuse
-        sizes that cannot be allocated before allocating them (a typo such as
-        ``kv_cache_tokens=10**9`` would otherwise end in an allocator traceback).
+    def _plan_memory(self, lora: LoRAConfig | None) -> None:
+        """Size what the pipeline allocates beyond its weights before building anything
+        (here: the slot pool must fit the free memory).
 
         Raises:
-            MemoryBudgetError: saying what would be allocated, what is free, and what fits.
+            MemoryBudgetError: if it does not fit.
         """
-        page_bytes = self.kv_bytes_per_token() * self.page_size
-        per_request = -(-self.max_seq_len // self.page_size)
-        most = self.max_batch_size * per_request + 1  # every request at full length
-        slots = self._slot_bytes(lora)
-        gib = 2**30
-        if kv_cache_tokens is None and self.device.type == "cuda" and page_bytes:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = (
-                utilization * total
-                - (total - free)
-                - self._weight_bytes()
-                - slots
-                - self._activation_bytes()
-            )
-            pages = min(most, int(budget // page_bytes))
-            if pages < per_request + 1:
-                raise MemoryBudgetError(
-                    f"gpu_memory_utilization {utilization} leaves {max(budget, 0) / gib:.2f} GiB "
-                    f"for the KV cache on {self.device}, less than one request of max_seq_len "
-                    f"{self.max_seq_len} needs ({(per_request + 1) * page_bytes / gib:.2f} GiB)"
-                )
-            return pages
-        pages = most
-        if kv_cache_tokens is not None:
-            pages = min(most, -(-kv_cache_tokens // self.page_size) + 1)
-            if pages < per_request + 1:
-                raise ValueError(
-                    f"kv_cache_tokens {kv_cache_tokens} cannot hold one request of max_seq_len "
-                    f"{self.max_seq_len}"
-                )
-        kv = pages * page_bytes
-        free_now = free_memory_bytes(self.device)
-        if free_now is None or kv + slots <= free_now:
-            return pages
-        fits = max(0, (free_now - slots) // page_bytes - 1) * self.page_size if page_bytes else 0
-        raise MemoryBudgetError(
-            f"the KV cache of {(pages - 1) * self.page_size} token positions (max_batch_size "
-            f"{self.max_batch_size} x max_seq_len {self.max_seq_len}, or kv_cache_tokens) "
-            f"needs {kv / gib:.1f} GiB"
-            + (f" and the adapter slots {slots / gib:.1f} GiB" if slots else "")
-            + f", but {free_now / gib:.1f} GiB is free on {self.device.type}"
-            + (f"; at most kv_cache_tokens {fits} fits" if fits else "")
-        )
+        memory.check_slots_fit(self.device, self._slot_bytes(lora))
 
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token position takes over all layers (0: no KV cache)."""
-        return 0
+    def _max_pages_per_request(self) -> int:
+        return 1
+
+    def _page_size(self) -> int:
+        return 1
 
     def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
         """The step inputs the module's forward takes as keywords besides ``routing``, each
         with its shape in terms of the step's width (:data:`lora_graph.step.STEP_INPUTS`;
         all int32): the step buffer and every captured graph are built from this
         declaration, so an architecture changes neither ``lora_graph/compile/`` nor the engine.
-        Default: all of them (a decoder over the paged KV cache)."""
-        return dict(STEP_INPUTS)
+        Default: the tokens, their positions and each request's first token (no KV cache)."""
+        return {name: STEP_INPUTS[name] for name in ("tokens", "positions", "query_start")}
 
     # ---- what an architecture declares ----------------------------------------------
     @abc.abstractmethod
@@ -485,6 +302,17 @@ class PipelineModelWithKVCache(abc.ABC):
         return self.graphs
 
     @property
+    def lora_backend(self) -> str | None:
+        """The LoRA kernels' backend (``LoRAConfig.backend``), None without LoRA."""
+        return self.manager.config.backend if self.manager is not None else None
+
+    @property
+    def routing_buffer(self) -> Routing | None:
+        """The persistent routing every LoRA step writes and every LoRA graph reads (None
+        without LoRA)."""
+        return self.manager.routing.routing if self.manager is not None else None
+
+    @property
     def max_step_tokens(self) -> int:
         """The most tokens the scheduler puts in one step: ``max_num_batched_tokens``, or
         the largest captured bucket if that is smaller (no step then runs uncaptured)."""
@@ -556,3 +384,79 @@ class PipelineModelWithKVCache(abc.ABC):
         if inputs.all_logits:
             kwargs["logits_index"] = None
         return self.model(**kwargs, routing=inputs.routing)
+
+
+class PipelineModelWithKVCache(PipelineModel):
+    """A model architecture over a paged KV cache (a decoder): a :class:`PipelineModel`
+    whose module holds the KV cache pages :attr:`pages` allocates.
+
+    A subclass also says how many bytes of KV cache a token takes
+    (:meth:`kv_bytes_per_token`); the pool's size comes from :func:`lora_graph.memory.
+    kv_cache_pages`, before the module is built (:attr:`num_kv_pages`).
+
+    Args:
+        page_size: token positions per KV cache page.
+        kv_cache_tokens: token positions of the KV cache pool, or None to size it: on CUDA
+            from ``gpu_memory_utilization``, elsewhere ``max_batch_size * max_seq_len``
+            (every request at full length). Either way at most that many are allocated.
+        **kwargs: :class:`PipelineModel`'s.
+
+    Raises:
+        MemoryBudgetError: if the KV cache cannot hold one request of ``max_seq_len``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        page_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        if kv_cache_tokens is not None and kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be at least 1, got {kv_cache_tokens}")
+        self.page_size = page_size
+        self.kv_cache_tokens = kv_cache_tokens
+        self.num_kv_pages = 2  # what the module is built with while it is only measured
+        super().__init__(model_path, **kwargs)
+
+    def _plan_memory(self, lora: LoRAConfig | None) -> None:
+        config = self.config
+        self.num_kv_pages = memory.kv_cache_pages(
+            device=self.device,
+            page_bytes=self.kv_bytes_per_token() * self.page_size,
+            page_size=self.page_size,
+            max_seq_len=self.max_seq_len,
+            max_batch_size=self.max_batch_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            slots=self._slot_bytes(lora),
+            fixed_bytes=lambda: (
+                memory.weight_bytes(lambda: self._instantiate_module(config), self.dtype)
+                + memory.activation_bytes(
+                    hidden_size=getattr(config, "hidden_size", 0),
+                    intermediate_size=getattr(config, "intermediate_size", 0),
+                    vocab_size=getattr(config, "vocab_size", 0),
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_batch_size=self.max_batch_size,
+                )
+            ),
+        )
+        self.pages = PagePool(self.num_kv_pages, self.page_size)
+
+    def _max_pages_per_request(self) -> int:
+        return self.pages.pages_for(self.max_seq_len)
+
+    def _page_size(self) -> int:
+        return self.page_size
+
+    @abc.abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token position takes over all layers."""
+
+    def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
+        """Default: all of :data:`lora_graph.step.STEP_INPUTS` (a decoder over the paged KV
+        cache)."""
+        return dict(STEP_INPUTS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from lora_graph.checkpoint import AdapterSource
+from lora_graph.loading.adapter_files import AdapterSource
 
 
 class LoRAStatus(enum.Enum):

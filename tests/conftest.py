@@ -296,7 +296,7 @@ def make_pipeline(
     from transformers import AutoConfig
 
     from lora_graph import LoRAConfig
-    from lora_graph.models import pipeline_class
+    from lora_graph.architectures import pipeline_class
 
     pipe = pipeline_class(AutoConfig.from_pretrained(t.base).model_type)(
         str(t.base),

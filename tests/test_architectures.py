@@ -154,7 +154,7 @@ def test_unverified_architecture_refused_on_cuda(tiny_factory, monkeypatch):
     """An architecture whose CUDA parity test has not passed (``verified_on_cuda = False``)
     is refused on a CUDA device at start-up, naming the cause (checked without a GPU: the
     refusal comes before anything is read or allocated)."""
-    from lora_graph.models import Gemma2Pipeline
+    from lora_graph.architectures import Gemma2Pipeline
 
     monkeypatch.setattr(Gemma2Pipeline, "verified_on_cuda", False)
     with pytest.raises(ValueError, match="Gemma2Pipeline is not verified on CUDA yet"):
@@ -167,7 +167,7 @@ def test_variants_not_implemented_are_refused_at_start_up():
     from transformers import LlamaConfig as HFLlama
     from transformers import Phi3Config
 
-    from lora_graph.models import LlamaConfig
+    from lora_graph.models.llama import LlamaConfig
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     longrope = Phi3Config(

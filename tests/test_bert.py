@@ -91,7 +91,7 @@ def expected(ref, ids, adapter):
 
 def make(path, root, **kw):
     from lora_graph import LoRAConfig
-    from lora_graph.models import pipeline_class
+    from lora_graph.architectures import pipeline_class
 
     slots = kw.pop("max_slots", 2)
     pipe = pipeline_class("bert")(
@@ -308,7 +308,7 @@ def test_each_row_matches_peft_on(model, device, request):
     MiniLM (CUDA, float32, the Triton LoRA kernels). (The tiny CUDA case passed on the H200,
     2026-12-02.)"""
     from lora_graph import LoRAConfig
-    from lora_graph.models import BertPipeline
+    from lora_graph.architectures import BertPipeline
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")

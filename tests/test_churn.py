@@ -15,7 +15,7 @@ import torch
 from conftest import ALL_LINEARS, Row, make_peft_adapter
 
 from lora_graph import LoRAConfig
-from lora_graph.models import LlamaPipeline
+from lora_graph.architectures import LlamaPipeline
 from lora_graph.step import SeqChunk
 
 TARGET_SETS = [

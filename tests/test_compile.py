@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import make_pipeline, prompts
 
-from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, node_capture_key
-from lora_graph.ops import DECODE_FUSED_SILU_MIN_ROWS
+from lora_graph.compile.keys import CaptureKey
+from lora_graph.kernels.policy import KernelPolicy
 from lora_graph.step import SeqChunk
 
 pytestmark = pytest.mark.compile
@@ -42,20 +42,21 @@ def test_keys_captured_for_both_buckets_with_and_without_lora(pair):
     compiled, _ = pair
     keys = set(compiled.graphs.graphs)
     own = [CaptureKey(4, 4), CaptureKey(16, 4)]
-    assert keys == {*own, *(LoraBaseOnly(k) for k in own)}
-    assert node_capture_key(LoraBaseOnly(own[0])) == own[0] == node_capture_key(own[0])
-    assert str(LoraBaseOnly(own[0])) == "base-only step(tokens=4, seqs=4)"
+    assert keys == {*own, *(k.base_only() for k in own)}
+    assert own[0].base_only() == CaptureKey(4, 4, lora=False) != own[0]
+    assert str(own[0].base_only()) == "base-only step(tokens=4, seqs=4)"
+    assert str(own[0]) == "step(tokens=4, seqs=4)"
     for key, graph in compiled.graphs.graphs.items():
         assert graph.compiles == 1, (key, graph.compiles)  # one layer graph serves every layer
         assert "lora_graph.paged_attention" in graph.ops, key
-        if isinstance(key, LoraBaseOnly):
+        if not key.lora:
             assert graph.lora_ops == frozenset(), key
         else:
             ops = {op.removeprefix("lora_graph.lora_") for op in graph.lora_ops}
             # the torch or triton pair; or at decode sizes on CUDA the base linear with the
-            # side-stream delta, and from DECODE_FUSED_SILU_MIN_ROWS rows on the MLP's gate/up
+            # side-stream delta, and from fused_silu_min_rows rows on the MLP's gate/up
             # with the side-stream shrink and the fused expand + activation
-            if key.tokens >= DECODE_FUSED_SILU_MIN_ROWS:
+            if key.tokens >= KernelPolicy().fused_silu_min_rows:
                 decode = {"linear_delta", "linear_shrink", "expand_silu_mul"}
             else:
                 decode = {"linear_delta"}
@@ -121,12 +122,34 @@ def test_compiled_steps_equal_eager_across_mixes(pair):
             n = sum(len(ids) for _, _, ids in chunks)
             expected = CaptureKey(4 if n <= 4 else 16, 4)
             lora = any(a is not None for _, a, _ in chunks)
-            assert replayed == [expected if lora else LoraBaseOnly(expected)], (step, replayed)
+            assert replayed == [expected if lora else expected.base_only()], (step, replayed)
     finally:
         for r in runs:
             r.free()
     assert graphs.recompiles == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == unique_graphs
+
+
+def test_a_replay_refuses_inputs_that_are_not_its_captured_buffers(pair):
+    """A step whose inputs are copies of the buffers (a stale or hand-built step) would
+    replay over old values: refused by name; the prepared step itself replays."""
+    import dataclasses
+
+    compiled, _ = pair
+    pages = compiled.pages.allocate(1)
+    try:
+        inputs = compiled.prepare([SeqChunk("A", [1, 2, 3], 0, pages, owner="r")])
+        graph = compiled.graphs.lookup(inputs)
+        assert graph is not None and graph.key == CaptureKey(4, 4)
+        compiled.graphs.run(inputs, graph)
+        copied = dict(inputs.inputs, positions=inputs.inputs["positions"].clone())
+        with pytest.raises(RuntimeError, match="'positions' is not the buffer"):
+            compiled.graphs.run(dataclasses.replace(inputs, inputs=copied), graph)
+        routing = inputs.routing._replace()
+        with pytest.raises(RuntimeError, match="routing is not the persistent buffer"):
+            compiled.graphs.run(dataclasses.replace(inputs, routing=routing), graph)
+    finally:
+        compiled.pages.free(pages)
 
 
 def test_replacing_an_adapter_changes_output_without_recompile(pair, tmp_path):
@@ -198,42 +221,3 @@ def test_a_dropped_pipeline_frees_its_memory(tiny):
     del pipe
     gc.collect()
     assert all(r() is None for r in refs)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_rope_kv_op_in_a_compiled_step_equals_eager(tiny, monkeypatch, mode):
-    """RoPE and the KV write through the one op (``blocks.ROPE_KV_OP``, off by default: it
-    timed slower on the H200's LoRA steps) inside an inductor-compiled step: the op is in the graph,
-    inductor writes the caches in place through it, and prefill chunks then decodes (which
-    read what earlier steps wrote) equal the eager pipeline's on the default path."""
-    from lora_graph.models import blocks
-
-    device, how = mode
-    kw = dict(max_batch_size=2, max_num_batched_tokens=8, device=device)
-    eager = make_pipeline(tiny, **kw)
-    monkeypatch.setattr(blocks, "ROPE_KV_OP", True)
-    compiled = make_pipeline(tiny, **kw)
-    compiled.enable_compile(how, token_buckets=(8,), progress=False)
-    assert all("lora_graph.rope_kv_write" in g.ops for g in compiled.graphs.graphs.values())
-    p = prompts(2, seed=41, min_len=9, max_len=12)
-    steps = [
-        [("r0", "A", p[0][:5]), ("r1", None, p[1][:3])],
-        [("r0", "A", p[0][5:]), ("r1", None, p[1][3:7])],
-        [("r0", "A", [5]), ("r1", "B", [6])],
-        [("r0", "A", [7]), ("r1", "B", [8])],
-    ]
-    runs = [Requests(compiled), Requests(eager)]
-    try:
-        for step, chunks in enumerate(steps):
-            got = runs[0].step(chunks)
-            monkeypatch.setattr(blocks, "ROPE_KV_OP", False)  # eager: read at every call
-            want = runs[1].step(chunks)
-            monkeypatch.setattr(blocks, "ROPE_KV_OP", True)
-            for rid in want:
-                torch.testing.assert_close(
-                    got[rid], want[rid], rtol=1e-4, atol=1e-4, msg=f"step {step} {rid}"
-                )
-    finally:
-        for r in runs:
-            r.free()
-    assert compiled.graphs.recompiles == 0

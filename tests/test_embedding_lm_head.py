@@ -136,7 +136,7 @@ def test_generation_with_embedding_and_lm_head_matches_peft(tiny_factory, refere
 def test_unserved_embedding_and_lm_head_targets_refuse_such_adapters(tiny):
     """``LoRAConfig.targets`` without the embedding and LM head saves their vocabulary-sized
     blocks; an adapter that touches them is refused, naming the module."""
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     full = make_pipeline(tiny, load=())
     pipe = LlamaPipeline(

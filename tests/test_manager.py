@@ -318,7 +318,7 @@ def test_bad_adapter_is_refused_with_its_cause(tiny, tmp_path, case, match):
     pipe = make_pipeline(tiny, load=("B",))
     path = _copy_adapter(tiny.adapters["A"], tmp_path / "bad", **case)
     if "differs" not in match:  # everything but a base-weight comparison shows in the header
-        import lora_graph.checkpoint as checkpoint
+        import lora_graph.loading.adapter_files as checkpoint
 
         def no_data(*args):
             raise AssertionError("check_adapter read tensor data")
@@ -544,8 +544,8 @@ def test_adapter_whose_file_vanished_fails_its_requests_only(tiny, tmp_path, ref
     """An adapter that left the host tier and whose directory was then deleted cannot be
     read back into a slot: its requests finish with an error naming it, the rest run on."""
     from lora_graph import LoRAConfig
+    from lora_graph.architectures import LlamaPipeline
     from lora_graph.engine import LLMEngine, Request, SamplingParams
-    from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
     pipe = LlamaPipeline(
@@ -576,8 +576,8 @@ def test_replaced_version_keeps_its_host_image_while_held(tiny, tmp_path, refere
     version's image stays in the host tier beyond ``cpu_capacity`` (its file is rewritten),
     and the request finishes on the old weights while other adapters come and go."""
     from lora_graph import LoRAConfig
+    from lora_graph.architectures import LlamaPipeline
     from lora_graph.engine import LLMEngine, Request, SamplingParams
-    from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
     pipe = LlamaPipeline(
@@ -653,8 +653,8 @@ def test_pin_that_would_strand_requests_in_flight_is_refused(tiny, reference_fac
     """A pin between steps may not take a slot that the requests in flight need (their
     next decode step names all their adapters): refused, and serving goes on."""
     from lora_graph import LoRAConfig
+    from lora_graph.architectures import LlamaPipeline
     from lora_graph.engine import LLMEngine, Request, SamplingParams
-    from lora_graph.models import LlamaPipeline
 
     ref = reference_factory(tiny)
     pipe = LlamaPipeline(
@@ -685,7 +685,7 @@ def test_replaced_version_is_copied_back_from_its_slot(tiny, tmp_path):
     """A version replaced while held, whose host image was already dropped and whose file is
     rewritten, is copied back from its slot: it can leave the slot and return intact."""
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     pipe = LlamaPipeline(
         str(tiny.base),
@@ -734,7 +734,7 @@ def test_hub_repo_ids_resolve_through_the_local_cache(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     pipe = LlamaPipeline(
         "org/tiny-base", max_batch_size=4, max_seq_len=32, lora=LoRAConfig(max_slots=2, max_rank=16)

@@ -289,23 +289,41 @@ def test_step_buffer_pads_a_step_to_its_bucket():
 
 
 def test_kv_pool_sized_from_gpu_memory_utilization(tiny, monkeypatch):
-    """The CUDA sizing rule, with the device's memory faked: the pool gets what
-    ``gpu_memory_utilization`` leaves after what is in use, the weights, the slots and an
-    activation bound, at most every request at full length; too little is refused."""
+    """The CUDA sizing rule (:func:`lora_graph.memory.kv_cache_pages`), with the device's
+    memory faked: the pool gets what ``gpu_memory_utilization`` leaves after what is in use,
+    the weights, the slots and an activation bound, at most every request at full length;
+    too little is refused. The weights are counted on the meta device as the built module
+    holds them."""
     import torch
 
-    from lora_graph.pipeline import MemoryBudgetError
+    from lora_graph import memory
+    from lora_graph.memory import MemoryBudgetError
 
     pipe = make_pipeline(tiny, max_batch_size=4, max_seq_len=64, page_size=16)
     page_bytes = pipe.kv_bytes_per_token() * 16
-    weights, act = pipe._weight_bytes(), pipe._activation_bytes()
-    pipe.device = torch.device("cuda")
+    weights = memory.weight_bytes(lambda: pipe._instantiate_module(pipe.config), pipe.dtype)
+    built = {id(p): p for p in pipe.model.parameters()}.values()
+    assert weights == sum(p.numel() * p.element_size() for p in built) > 0
+    act = 10**6
     total, used = 10 * 2**30, 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - used, total))
+
+    def pages(fraction: float) -> int:
+        return memory.kv_cache_pages(
+            device=torch.device("cuda"),
+            page_bytes=page_bytes,
+            page_size=16,
+            max_seq_len=64,
+            max_batch_size=4,
+            kv_cache_tokens=None,
+            gpu_memory_utilization=fraction,
+            slots=0,
+            fixed_bytes=lambda: weights + act,
+        )
+
     most = 4 * 4 + 1  # 4 requests of 4 pages, and the scratch page
-    assert pipe._size_kv_cache(None, None, 0.9) == most  # plenty: capped
+    assert pages(0.9) == most  # plenty: capped
     # a budget of 10 pages: what is left after use, weights and activations
-    fraction = (used + weights + act + 10 * page_bytes + page_bytes // 2) / total
-    assert pipe._size_kv_cache(None, None, fraction) == 10
+    assert pages((used + weights + act + 10 * page_bytes + page_bytes // 2) / total) == 10
     with pytest.raises(MemoryBudgetError, match="less than one request of max_seq_len 64"):
-        pipe._size_kv_cache(None, None, (used + weights + act + 2 * page_bytes) / total)
+        pages((used + weights + act + 2 * page_bytes) / total)

@@ -161,7 +161,7 @@ def test_gpu_mixed_batch_matches_peft(tiny, reference_factory, backend, dtype):
     from conftest import PeftReference
 
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     ref = reference_factory(tiny)
     configs = [(None, True)] if dtype == torch.float32 else [(None, False), (torch.float32, True)]

@@ -10,8 +10,8 @@ from test_parity import run_prefill
 from torch import nn
 
 from lora_graph import AdapterError, LoRAConfig
-from lora_graph.checkpoint import AdapterSource
 from lora_graph.layout import AdapterImage, SlotLayout
+from lora_graph.loading.adapter_files import AdapterSource
 from lora_graph.registry import AdapterRegistry, LoadedAdapter
 from lora_graph.routing import RoutingBuffer, group_batch, row_slots, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
@@ -171,7 +171,7 @@ def test_wrapped_model_holds_views_of_the_pool(tiny):
 
 # ---- LoRAConfig.adapters -----------------------------------------------------------------
 def test_configured_adapters_load_at_start_up(tiny):
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     digest = make_pipeline(tiny, load=("A",)).manager.adapter("A").digest
     pipe = LlamaPipeline(
@@ -220,7 +220,7 @@ def test_attention_types_read_per_layer_and_unknown_ones_refused():
     from transformers import LlamaConfig as HFLlama
     from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
-    from lora_graph.models import LlamaConfig
+    from lora_graph.models.llama import LlamaConfig
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
     qwen = LlamaConfig.from_hf(
@@ -249,8 +249,7 @@ def test_module_map_and_paths_derive_from_the_target_table():
     an error in the table."""
     from transformers import LlamaConfig as HFLlama
 
-    from lora_graph.models import LlamaConfig
-    from lora_graph.models.llama import lora_targets
+    from lora_graph.models.llama import LlamaConfig, lora_targets
     from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)

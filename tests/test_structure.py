@@ -50,7 +50,7 @@ def _module_imports(path: Path, name: str) -> set[str]:
     return found & set(MODULES) - {name}
 
 
-def test_imports_form_no_circle():
+def _import_graph() -> dict[str, set[str]]:
     graph = {}
     for name in MODULES:
         rel = name.removeprefix("lora_graph.").replace(".", "/")
@@ -62,6 +62,45 @@ def test_imports_form_no_circle():
     # ``lora_graph.server.protocol``) does not go through the package's __init__ here
     for name, deps in graph.items():
         graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def test_models_and_lower_floors_import_nothing_from_the_runner():
+    """The modules of ``lora_graph.models`` (plain ``nn.Module`` and configs), the kernels
+    and the compile cache reach nothing above them, even through another module: not the
+    runner, the LoRA manager, the engine, the server or the command line."""
+    graph = _import_graph()
+    above = {
+        "lora_graph.pipeline",
+        "lora_graph.architectures",
+        "lora_graph.manager",
+        "lora_graph.engine",
+        "lora_graph.scheduler",
+        "lora_graph.server",
+        "lora_graph.launch",
+        "lora_graph.cli",
+    }
+    below = [m for m in MODULES if m.startswith(("lora_graph.models", "lora_graph.kernels"))]
+    below += ["lora_graph.compile.cache", "lora_graph.memory", "lora_graph.loading.model_files"]
+    assert len(below) > 10
+    for name in below:
+        reached = _reachable(graph, name)
+        bad = {d for d in reached if any(d == a or d.startswith(a + ".") for a in above)}
+        assert not bad, f"{name} reaches {sorted(bad)}"
+
+
+def test_imports_form_no_circle():
+    graph = _import_graph()
     state: dict[str, int] = {}
     stack: list[str] = []
 

@@ -38,7 +38,6 @@ if _INTERP_SET_HERE:
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     triton = pytest.importorskip("triton")
-    from lora_graph import ops
     from lora_graph.kernels import reference
     from lora_graph.kernels import triton_config as C
     from lora_graph.kernels import triton_launch as T
@@ -591,27 +590,28 @@ def test_one_launch_delta_refuses_what_does_not_fit(pools):
 
 
 @interp
-@pytest.mark.parametrize("k_steps", [1, 2, 100])
-def test_one_launch_delta_k_splits(pools, monkeypatch, k_steps):
-    """``launch_delta`` with its shrink's K cut in splits of 1 and 2 ``BLOCK_K`` steps
-    (atomic partial sums) and in one split (plain stores), and ``linear_delta`` through it
-    as in a graph; more than 64 rows is refused."""
-    monkeypatch.setattr(T, "DELTA_K_STEPS", k_steps)
-    monkeypatch.setattr(T, "DELTA_FUSED", True)
+def test_linear_delta_and_the_one_launch_delta(pools):
+    """``linear_delta`` (the base linear, and the float32 delta of a shrink and an expand
+    that writes every row) and ``delta_`` (one ``launch_delta``) at 37 mixed rows, against
+    float64; the one launch's workspace zero after it; more than 64 rows is refused."""
     pool = pools[torch.float32]
     routing = make_routing(mixed_groups(30), pad_to=8)
     n = 37
-    g = torch.Generator().manual_seed(k_steps)
+    g = torch.Generator().manual_seed(3)
     for name in ("qkv", "down"):
         t = pool.targets[name]
         a, b = pool.stacks(name)
         x = torch.randn(n, t.in_features, generator=g)
         w = torch.randn(t.out_features, t.in_features, generator=g)
+        y0 = torch.randn(n, t.out_features, generator=g)
         _, d64, _ = reference64(pool, name, x, torch.zeros(n, t.out_features), routing)
         y, buf = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), *routing)
         assert torch.equal(y, torch.nn.functional.linear(x, w))
         d = buf[: n * t.out_features].view(n, -1)
         torch.testing.assert_close(d.double(), d64, rtol=1e-5, atol=1e-5)
+        got = y0.clone()
+        T.delta_(got, x, a, b, list(t.out_slices), *routing)
+        torch.testing.assert_close(got.double(), y0.double() + d64, rtol=1e-5, atol=1e-5)
         assert workspace_is_zero()
     x = torch.zeros(65, t.in_features)
     with pytest.raises(ValueError, match="at most 64 rows, got 65"):
@@ -625,29 +625,24 @@ WIDE_RANKS = {1: 40, 2: 1, 3: 20, 4: 33}
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "max_rank, slot_ranks, n, follow",
+    "max_rank, slot_ranks, n",
     [
-        (MAX_RANK, RANKS, 37, True),
-        (MAX_RANK, RANKS, 3, True),
-        (32, RANKS, 37, True),
-        (48, WIDE_RANKS, 37, True),
-        (48, WIDE_RANKS, 3, True),
-        (48, WIDE_RANKS, 3, False),
+        (MAX_RANK, RANKS, 37),
+        (MAX_RANK, RANKS, 3),
+        (32, RANKS, 37),
+        (48, WIDE_RANKS, 37),
+        (48, WIDE_RANKS, 3),
     ],
-    ids=["r8", "r8-3rows", "r32", "r48", "r48-3rows", "r48-masked-3rows"],
+    ids=["r8", "r8-3rows", "r32", "r48", "r48-3rows"],
 )
-def test_columns_past_a_slots_rank_are_not_read(
-    dtype, max_rank, slot_ranks, n, follow, monkeypatch
-):
+def test_columns_past_a_slots_rank_are_not_read(dtype, max_rank, slot_ranks, n):
     """With ``ranks``, every kernel skips a slot's A rows and B columns from its rank on
     (rounded up to a multiple of 16 in a pool whose ``max_rank`` is one): garbage put there
     changes nothing (without ``ranks`` it does), and the results equal the float64 reference
     of the clean pool; h stays exact (0 past the rank). In pools wider than 16 the shrink's
     tiles of 3 rows (broadcast tiles) number only a slot's live columns (``COMPACT``) and
     the expands loop over 16-column rank chunks (``RANK_CHUNK``: three for a rank-48 slot);
-    37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked. ``follow=False``: the
-    switch ``RANK_FOLLOWING`` off (masked tiles at 3 rows too; on is the default)."""
-    monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
+    37 rows take ``tl.dot`` tiles of ``max_rank`` columns, masked."""
     check_ranks_skipped(dtype, max_rank, slot_ranks, n, "cpu")
 
 
@@ -780,7 +775,7 @@ def test_pipeline_on_triton_matches_torch_backend(
     """The whole model on the Triton backend (interpreted) against the torch reference ops,
     on a tied model with every target kind: fused q/k/v, the embedding (its expand is the
     Triton one), the per-request LM head; and float32 slots under a bfloat16 model. In a
-    graph (``graph``: as if captured) and up to ``DELTA_MAX_ROWS`` rows, the base linear and
+    graph (``graph``: as if captured) and up to ``side_stream_max_rows`` rows, the base linear and
     the delta run in ``lora_linear_delta`` (the delta on a side stream on CUDA) and the
     MLP's gate/up in ``lora_linear_shrink``; otherwise shrink and expand run in place."""
     import dataclasses
@@ -788,9 +783,9 @@ def test_pipeline_on_triton_matches_torch_backend(
     from conftest import make_pipeline, prompts
     from test_parity import MIX, run_prefill
 
-    import lora_graph.layers
+    import lora_graph.ops
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     t = tiny_factory("tied")
     pipe = LlamaPipeline(
@@ -821,11 +816,11 @@ def test_pipeline_on_triton_matches_torch_backend(
         layer._kernels = dataclasses.replace(
             kernels, linear_delta=counted, expand_silu_mul=counted_gated
         )
-    monkeypatch.setattr(lora_graph.layers, "_in_graph", lambda x: graph)
+    monkeypatch.setattr(lora_graph.ops, "in_graph", lambda x: graph)  # as if captured
     batch = prompts(len(MIX), seed=61, min_len=max_len - 2, max_len=max_len)
     got = run_prefill(pipe, batch, MIX)
     forks = len(calls)
-    small = graph and len(MIX) * max_len <= ops.DELTA_MAX_ROWS
+    small = graph and len(MIX) * max_len <= kernels.policy.side_stream_max_rows
     # q/k/v, o and down of 2 layers + the LM head; gate/up through linear_shrink, its expand
     # and activation fused at every size
     assert forks == (7 if small else 0)
@@ -852,7 +847,7 @@ def test_compiling_the_interpreted_backend_is_refused_by_name(tiny_factory, refe
     from conftest import prompts, run_prefill
 
     from lora_graph import LoRAConfig
-    from lora_graph.models import LlamaPipeline
+    from lora_graph.architectures import LlamaPipeline
 
     t = tiny_factory("tied")
     pipe = LlamaPipeline(
@@ -988,7 +983,6 @@ for n in (512, 2048):  # the gated MLP's fused expand + activation (prefill size
     y2 = torch.zeros(n, 2 * 14336, dtype=torch.bfloat16)
     T.expand_silu_mul(y2, torch.zeros(2, n, 16), b2, *routing)
 # a rank-64 pool told each slot's rank (decode): compact shrink columns, expand rank chunks
-assert T.RANK_FOLLOWING
 ranks = torch.full((9,), 16, dtype=torch.int32)
 a64 = slot_stack(torch.zeros(9, 192 * 4096, dtype=torch.bfloat16), 0, (192, 4096))
 b64 = slot_stack(torch.zeros(9, 6144 * 64, dtype=torch.bfloat16), 0, (6144, 64))
@@ -1071,15 +1065,11 @@ def gpu_pools():
 @pytest.mark.parametrize("n", [1, 3, 37])
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("follow", [True, False], ids=["follow", "masked"])
-def test_gpu_columns_past_a_slots_rank_are_not_read(
-    dtype, max_rank, slot_ranks, n, follow, monkeypatch
-):
-    """The compiled kernels given ``ranks`` (``follow``: ``RANK_FOLLOWING`` on, the
-    rank-following paths at 1 and 3 rows; the masked tiles at 37 and without it;
-    :func:`test_columns_past_a_slots_rank_are_not_read`): garbage past each slot's rank
-    changes nothing, and every result equals the float64 reference."""
-    monkeypatch.setattr(T, "RANK_FOLLOWING", follow)
+def test_gpu_columns_past_a_slots_rank_are_not_read(dtype, max_rank, slot_ranks, n):
+    """The compiled kernels given ``ranks`` (the rank-following paths at 1 and 3 rows; the
+    masked ``tl.dot`` tiles at 37; :func:`test_columns_past_a_slots_rank_are_not_read`):
+    garbage past each slot's rank changes nothing, and every result equals the float64
+    reference."""
     check_ranks_skipped(dtype, max_rank, slot_ranks, n, GPU)
 
 
@@ -1193,13 +1183,11 @@ def test_gpu_cuda_graph_replay(gpu_pools):
 @pytest.mark.parametrize("n", [1, 8, 64])
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_one_launch_delta_in_a_graph(gpu_pools, monkeypatch, n):
-    """``linear_delta`` with its delta one ``launch_delta`` on the side stream (the switch
-    ``DELTA_FUSED``, off by default: slower on the H200) captured in a CUDA graph and
-    replayed after the routing changes in place (one group, then one group a
-    row over every rank 1..64, then a few with base rows), against float64; the eager
-    ``delta_`` likewise; the workspace all zero after each."""
-    monkeypatch.setattr(T, "DELTA_FUSED", True)
+def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
+    """``linear_delta`` (its shrink and expand on the side stream) captured in a CUDA graph
+    and replayed after the routing changes in place (one group, then one group a row over
+    every rank 1..64, then a few with base rows), against float64; the eager ``delta_``
+    (one ``launch_delta``) likewise, its workspace all zero after each."""
     pool = gpu_pools(4096)
     ids, offs, end = make_routing([(4, n)], device=GPU, pad_to=max(GPU_SLOTS, n + 1))
     layouts = [

@@ -22,16 +22,41 @@ import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from lora_graph.compile.keys import CaptureKey, LoraBaseOnly, is_base_only, node_capture_key
+from lora_graph.compile.keys import CaptureKey
 from lora_graph.routing import Routing
+from lora_graph.step import ModelInputs, StepBuffer
 
 Mode = Literal["inductor", "cudagraph"]
+
+
+class CapturablePipeline(Protocol):
+    """What the graph cache uses of a pipeline (:class:`~lora_graph.pipeline.PipelineModel`
+    is one): its sizes and device, the module it runs and the regions it compiles, the
+    persistent step buffer, and the persistent routing buffer every LoRA graph reads."""
+
+    device: torch.device
+    max_batch_size: int
+    max_num_batched_tokens: int
+    step_buffer: StepBuffer
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def lora_backend(self) -> str | None:
+        """The LoRA kernels' backend (``LoRAConfig.backend``), None without LoRA."""
+
+    @property
+    def routing_buffer(self) -> Routing | None:
+        """The persistent routing every LoRA step writes (None without LoRA)."""
+
+    def compile_regions(self) -> Sequence[nn.Module]: ...
 
 
 @dataclass
@@ -40,12 +65,14 @@ class CapturedGraph:
     graphs its capture compiled (1: every layer shares one), the inputs of its largest
     region graph, and its replay count."""
 
-    key: Any
+    key: CaptureKey
     ops: frozenset[str] = frozenset()
     compiles: int = 0
     inputs: int = 0
     replays: int = 0
     runner: Callable[[], Tensor] | None = field(default=None, repr=False)
+    #: the step buffer's views the graph was captured over (a replay must read these)
+    views: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def lora_ops(self) -> frozenset[str]:
@@ -66,7 +93,7 @@ class GraphCache:
     """Captures and replays a pipeline's packed step per token bucket.
 
     Args:
-        pipeline: a loaded :class:`~lora_graph.pipeline.PipelineModelWithKVCache`.
+        pipeline: a loaded pipeline (:class:`CapturablePipeline`).
         mode: ``"inductor"`` (``torch.compile``, ``fullgraph=True``) or ``"cudagraph"``
             (the same, then captured by hand in a ``torch.cuda.CUDAGraph``; CUDA only).
         token_buckets: step widths in tokens to capture (each at most the pipeline's
@@ -78,15 +105,17 @@ class GraphCache:
     """
 
     def __init__(
-        self, pipeline: Any, *, mode: Mode = "inductor", token_buckets: Sequence[int] = (8,)
+        self,
+        pipeline: CapturablePipeline,
+        *,
+        mode: Mode = "inductor",
+        token_buckets: Sequence[int] = (8,),
     ) -> None:
         if mode not in ("inductor", "cudagraph"):
             raise ValueError(f"mode must be inductor or cudagraph, got {mode!r}")
         if mode == "cudagraph" and pipeline.device.type != "cuda":
             raise ValueError("cudagraph mode needs a CUDA device")
-        manager = getattr(pipeline, "manager", None)
-        triton_backend = manager is not None and manager.config.backend == "triton"
-        if triton_backend and pipeline.device.type != "cuda":
+        if pipeline.lora_backend == "triton" and pipeline.device.type != "cuda":
             # the LoRA layers call the Triton interpreter's launches directly
             raise ValueError(
                 "LoRAConfig backend='triton' off CUDA runs Triton's interpreter, which "
@@ -109,9 +138,9 @@ class GraphCache:
         self.pipeline = pipeline
         self.mode = mode
         self.token_buckets = token_buckets
-        self.graphs: dict[Any, CapturedGraph] = {}
+        self.graphs: dict[CaptureKey, CapturedGraph] = {}
         self.recompiles = 0
-        self._capturing: Any = None
+        self._capturing: CaptureKey | None = None
         self._mempool = torch.cuda.graph_pool_handle() if mode == "cudagraph" else None
         self.regions = list(pipeline.compile_regions())
         # torch.compile keeps its backend alive in process-wide caches: hand it a weak
@@ -128,12 +157,12 @@ class GraphCache:
             region.compile(backend=backend, fullgraph=True, dynamic=False)
 
     # ---- keys ---------------------------------------------------------------------------
-    def all_keys(self) -> list[Any]:
+    def all_keys(self) -> list[CaptureKey]:
+        """Every key captured: each bucket with LoRA (when the pipeline has adapter slots)
+        and base-only."""
         keys = [self._key(t) for t in self.token_buckets]
-        with_lora = self.pipeline.manager is not None
-        return [
-            k2 for k in keys for k2 in ((k, LoraBaseOnly(k)) if with_lora else (LoraBaseOnly(k),))
-        ]
+        with_lora = self.pipeline.routing_buffer is not None
+        return [k2 for k in keys for k2 in ((k, k.base_only()) if with_lora else (k.base_only(),))]
 
     def _key(self, tokens: int) -> CaptureKey:
         return CaptureKey(tokens, min(tokens, self.pipeline.max_batch_size))
@@ -147,10 +176,10 @@ class GraphCache:
                 return key.tokens, key.seqs
         return tokens, seqs
 
-    def key_for(self, inputs: Any) -> Any:
+    def key_for(self, inputs: ModelInputs) -> CaptureKey:
         """The capture key of a step: its width, base-only if it has no LoRA inputs."""
-        key = CaptureKey(*inputs.width)
-        return key if inputs.routing is not None else LoraBaseOnly(key)
+        tokens, seqs = inputs.width
+        return CaptureKey(tokens, seqs, lora=inputs.routing is not None)
 
     # ---- capture ------------------------------------------------------------------------
     def _step(self, inputs: dict[str, Tensor], routing: Routing | None) -> Tensor:
@@ -172,10 +201,9 @@ class GraphCache:
             graph.compiles += 1
         return cast(Callable[..., Any], compile_fx(gm, example_inputs))
 
-    def _static_args(self, key: Any) -> tuple[dict[str, Tensor], Routing | None]:
-        k = node_capture_key(key)
-        views = self.pipeline.step_buffer.views((k.tokens, k.seqs))
-        return views, (None if is_base_only(key) else self.pipeline.manager.routing.routing)
+    def _static_args(self, key: CaptureKey) -> tuple[dict[str, Tensor], Routing | None]:
+        views = self.pipeline.step_buffer.views((key.tokens, key.seqs))
+        return views, (self.pipeline.routing_buffer if key.lora else None)
 
     def capture(self, *, progress: bool = True) -> None:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""
@@ -194,9 +222,10 @@ class GraphCache:
             self._capture_one(key)
 
     @torch.inference_mode()
-    def _capture_one(self, key: Any) -> None:
+    def _capture_one(self, key: CaptureKey) -> None:
         graph = self.graphs[key] = CapturedGraph(key)
         views, routing = self._static_args(key)
+        graph.views = views
         fn = functools.partial(self._step, views, routing)
         self._capturing = key
         try:
@@ -223,7 +252,7 @@ class GraphCache:
             self._capturing = None
 
     # ---- replay ---------------------------------------------------------------------------
-    def lookup(self, inputs: Any) -> CapturedGraph | None:
+    def lookup(self, inputs: ModelInputs) -> CapturedGraph | None:
         """The captured graph of a step, or None (every token's logits wanted, or a width
         no bucket holds)."""
         if inputs.all_logits:
@@ -231,18 +260,38 @@ class GraphCache:
         return self.graphs.get(self.key_for(inputs))
 
     @torch.inference_mode()
-    def run(self, inputs: Any, graph: CapturedGraph | None = None) -> Tensor:
+    def run(self, inputs: ModelInputs, graph: CapturedGraph | None = None) -> Tensor:
         """Replay the graph of a step whose inputs ``prepare`` wrote into the buffers at
         its bucket's width. Returns logits ``[S, vocab]``, valid until the next replay.
 
         Raises:
             KeyError: if the step's width was not captured: run such steps eagerly.
+            RuntimeError: if the step's inputs are not the buffers the graph was captured
+                over (a replay would read stale buffers and serve wrong tokens).
         """
         graph = graph or self.lookup(inputs)
         if graph is None or graph.runner is None:
             raise KeyError("no captured graph for this step")
+        self._check_captured_inputs(inputs, graph)
         graph.replays += 1
         if self.mode == "cudagraph":
             return graph.runner()
         with torch.compiler.set_stance("fail_on_recompile"):
             return graph.runner()
+
+    def _check_captured_inputs(self, inputs: ModelInputs, graph: CapturedGraph) -> None:
+        """Each of the step's inputs must be the captured view itself (same storage, offset,
+        shape and strides), and a LoRA step's routing the persistent routing buffer."""
+        for name, view in graph.views.items():
+            given = inputs.inputs.get(name)
+            if given is None or not (
+                given.data_ptr() == view.data_ptr()
+                and given.shape == view.shape
+                and given.stride() == view.stride()
+            ):
+                raise RuntimeError(
+                    f"{graph.key}: the step's {name!r} is not the buffer its graph was captured "
+                    "over (build replayed steps with the pipeline's prepare)"
+                )
+        if inputs.routing is not None and inputs.routing is not self.pipeline.routing_buffer:
+            raise RuntimeError(f"{graph.key}: the step's routing is not the persistent buffer")

@@ -254,63 +254,6 @@ if HAVE_TRITON:
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_k * w, axis=0)
         tl.store(out_ptr + row.to(tl.int64) * stride_on + head * stride_oh + offs_d * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-    @triton.jit
-    def _rope_rows(src, dst, stride_src_h, stride_dst_h, cos1, cos2, sin1, sin2,
-                   HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, D: tl.constexpr,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr):
-        """One token's ``HEADS`` rows of ``D`` from ``src`` to ``dst``, the first
-        ``2 * HALF`` dims rotated (``rotate_half`` RoPE, in float32, rounded once) and the
-        rest copied."""
-        h = tl.arange(0, HEADS_PAD)
-        h_ok = h < HEADS
-        j = tl.arange(0, HALF_PAD)
-        ok = h_ok[:, None] & (j < HALF)[None, :]
-        s_row = src + h[:, None] * stride_src_h
-        d_row = dst + h[:, None] * stride_dst_h
-        a = tl.load(s_row + j[None, :], mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(s_row + HALF + j[None, :], mask=ok, other=0.0).to(tl.float32)
-        x1 = a * cos1[None, :] - b * sin1[None, :]
-        x2 = b * cos2[None, :] + a * sin2[None, :]
-        tl.store(d_row + j[None, :], x1.to(dst.dtype.element_ty), mask=ok)
-        tl.store(d_row + HALF + j[None, :], x2.to(dst.dtype.element_ty), mask=ok)
-        if REST_PAD > 0:  # dims past the rotary ones (a partial rotary factor)
-            r = tl.arange(0, REST_PAD)
-            r_ok = h_ok[:, None] & (r < D - 2 * HALF)[None, :]
-            rest = tl.load(s_row + 2 * HALF + r[None, :], mask=r_ok, other=0.0)
-            tl.store(d_row + 2 * HALF + r[None, :], rest, mask=r_ok)
-
-    @triton.jit
-    def _rope_kv_write_kernel(
-        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
-        stride_ot, stride_oh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-        HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-        D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-        REST_PAD: tl.constexpr,
-    ):
-        """Semantics: for token ``t = program_id(0)``, ``q_out[t] = rope(q[t])``,
-        ``k_cache[slot[t]] = rope(k[t])``, ``v_cache[slot[t]] = v[t]`` (every head; the last
-        dim of each tensor contiguous)."""
-        t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        j = tl.arange(0, HALF_PAD)
-        j_ok = j < HALF
-        cos1 = tl.load(cos_ptr + t * stride_ct + j, mask=j_ok, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + t * stride_st + j, mask=j_ok, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
-        _rope_rows(q_ptr + t * stride_qt, q_out_ptr + t * stride_ot, stride_qh, stride_oh,
-                   cos1, cos2, sin1, sin2, HQ, HQ_PAD, D, HALF, HALF_PAD, REST_PAD)
-        _rope_rows(k_ptr + t * stride_kt, k_cache_ptr + slot * stride_kcs, stride_kh,
-                   stride_kch, cos1, cos2, sin1, sin2, HKV, HKV_PAD, D, HALF, HALF_PAD,
-                   REST_PAD)
-        h = tl.arange(0, HKV_PAD)
-        d = tl.arange(0, D_PAD)
-        ok = (h < HKV)[:, None] & (d < D)[None, :]
-        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
-        tl.store(v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :], v,
-                 mask=ok)
 # fmt: on
 
 _INTERPRETED = HAVE_TRITON and not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
@@ -525,49 +468,4 @@ def paged_attention(
                     SPLITS_PAD=next_pow2(splits), num_warps=4,
                 )
             # fmt: on
-    return out
-
-
-def rope_kv_write(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    slot_mapping: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-) -> Tensor:
-    """:func:`lora_graph.attention.rope_kv_write` in one launch of one program a token: the
-    arguments and result of the op (the caller has checked them). The inputs are made
-    contiguous in their last dim (``slot_mapping`` wholly) where they are not; the caches
-    must be so already.
-
-    Raises:
-        RuntimeError: without Triton.
-    """
-    if not HAVE_TRITON:
-        raise RuntimeError("the Triton RoPE / KV write needs Triton; use the torch backend")
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    rd = cos.shape[1]
-    q, k, v, cos, sin, slot_mapping = (
-        x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, cos, sin, slot_mapping)
-    )
-    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    if t == 0:
-        return out
-    half = rd // 2
-    with _launch_env(q):
-        # fmt: off
-        _rope_kv_write_kernel[(t,)](
-            q, k, v, cos, sin, slot_mapping, out, k_cache, v_cache,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            HQ=hq, HKV=hkv, HQ_PAD=next_pow2(hq), HKV_PAD=next_pow2(hkv), D=d,
-            D_PAD=next_pow2(d), HALF=half, HALF_PAD=next_pow2(half),
-            REST_PAD=next_pow2(d - 2 * half) if d > 2 * half else 0, num_warps=4,
-        )
-        # fmt: on
     return out

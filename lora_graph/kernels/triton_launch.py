@@ -20,7 +20,6 @@ from lora_graph.kernels import fast_launch
 from lora_graph.kernels.triton_config import (
     ExpandConfig,
     ShrinkConfig,
-    _finish_shrink,
     cdiv,
     device_sms,
     expand_config,
@@ -153,17 +152,15 @@ def launch_shrink(
         # fmt: on
 
 
-# Whether the kernels' work follows each slot's rank (given a rank table) in broadcast tiles
-# (below 16 rows: 1-4 rows at decode): the shrink numbers only a slot's live columns
-# (COMPACT) and the expands loop over RANK_CHUNK rank columns at a time up to the slot's
-# rank (_compact and _rank_chunk say why not in tl.dot tiles). Either way the loads skip
-# what lies past a slot's rank. False: tiles of max_rank columns, masked past the rank
-# (the bytes still follow the rank, the instructions do not). On the H200 (sessions 11 and
-# 12) a rank-8 adapter alone in a rank-64 pool cost +13-14% a decode step over base at
-# batch 1 without it and +8% with it; its values are checked against float64 on the GPU
-# (tests/test_triton_ops.py's test_gpu_columns_past_a_slots_rank_are_not_read) and under
-# the interpreter. A benchmark switch (bench/decode.py's rank_loop).
-RANK_FOLLOWING = True
+# The kernels' work follows each slot's rank (given a rank table) in broadcast tiles (below
+# 16 rows: 1-4 rows at decode): the shrink numbers only a slot's live columns (COMPACT) and
+# the expands loop over RANK_CHUNK rank columns at a time up to the slot's rank (_compact
+# and _rank_chunk say why not in tl.dot tiles). Either way the loads skip what lies past a
+# slot's rank. On the H200 (sessions 11 and 12) a rank-8 adapter alone in a rank-64 pool
+# cost +13-14% a decode step over base at batch 1 with max_rank tiles masked past the rank
+# (the alternative, since removed: bench/RESULTS.md) and +8% this way; its values are
+# checked against float64 on the GPU (tests/test_triton_ops.py's
+# test_gpu_columns_past_a_slots_rank_are_not_read) and under the interpreter.
 # Rank columns an expand tile takes at a time when it loops up to its slot's rank
 RANK_CHUNK = 16
 
@@ -184,7 +181,7 @@ def _compact(ranks: Tensor | None, use_dot: bool) -> bool:
     with a rank-8 adapter in a rank-64 pool 5% faster, and mixed ranks at 8-64 rows (its
     ``tl.dot`` tiles) 3-8% slower, for a reason not found (a suspect, not measured: the
     column mapping's division by the slot's runtime rank)."""
-    return RANK_FOLLOWING and ranks is not None and not use_dot
+    return ranks is not None and not use_dot
 
 
 def _run_length(tiles: int, n_blocks: int, device: torch.device) -> int:
@@ -286,10 +283,6 @@ def _workspace(device: torch.device, h_numel: int) -> tuple[Tensor, Tensor]:
     return ws
 
 
-# BLOCK_K steps a K split of launch_delta's shrink takes (0: shrink_config's split)
-DELTA_K_STEPS = 0
-
-
 @dataclass
 class _DeltaPlan:
     """What a :func:`launch_delta` call of one signature launches (everything but the
@@ -346,11 +339,6 @@ def _delta_plan(
     _check_devices(y, x, a, b, lora_ids, grouped_offsets, end, *_opt(ranks))
     sms = device_sms(x.device)
     scfg = shrink_config(n, k, sr, x.element_size(), sms)
-    if DELTA_K_STEPS:
-        scfg = _finish_shrink(
-            k, scfg.block_m, scfg.block_n, scfg.block_k, cdiv(k, DELTA_K_STEPS * scfg.block_k),
-            scfg.num_warps, scfg.num_stages,
-        )  # fmt: skip
     ecfg = expand_config(n, max(out_slices), max_rank, y.element_size(), sms)
     assert scfg.block_m == ecfg.block_m
     blk0, col0, widths, n_blocks = slice_meta(tuple(out_slices), ecfg.block_n)
@@ -405,7 +393,7 @@ def launch_delta(
     plans: dict | None = None,
 ) -> None:
     """:func:`launch_shrink` then :func:`launch_expand` in one launch, for decode (at most
-    :data:`lora_graph.ops.DELTA_MAX_ROWS` rows): the expand items wait in the kernel for
+    ``KernelPolicy.side_stream_max_rows`` rows): the expand items wait in the kernel for
     their row tile's shrink items (``_delta_kernel``), and ``h`` lives in the stream's
     zero workspace, so no memset and one launch instead of three.
 
@@ -456,7 +444,6 @@ def launch_delta(
     key = (
         x.shape, x.stride(), x.dtype, x.get_device(), y.shape, y.stride(), y.dtype,
         y.get_device(), lora_ids.shape, lora_ids.dtype, ranks is None, overwrite,
-        DELTA_K_STEPS,
     )  # fmt: skip
     try:
         plan = plans[key]
@@ -628,15 +615,6 @@ def delta_(
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-# Whether the side-stream delta's expand writes every row of an unzeroed buffer (True) or
-# adds into a zeroed one (False: one more memset of N * out float32s; benchmarks compare).
-DELTA_OVERWRITE = True
-# Whether the side-stream delta is one launch_delta (True) or a shrink and an expand
-# (False). On the H200 (Llama-3-8B shapes, session 9, call 2) the one launch made the decode
-# step 2-9% slower at 1-64 rows: its expand programs wait on SMs the base GEMM beside it
-# needs. Eager decode calls use launch_delta whatever this says (Kernels.delta_).
-DELTA_FUSED = False
-
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream of a CUDA device (one per device, made on first use) while a CUDA graph
@@ -677,21 +655,15 @@ def linear_delta(
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         ctx = torch.cuda.stream(side)
-    overwrite = DELTA_OVERWRITE
+    # the expand writes every row of the unzeroed delta (adding into a zeroed one took a
+    # memset more); the shrink and expand stay two launches (one launch_delta on the side
+    # stream made the step 2-9% slower on the H200, session 9: its waiting expand programs
+    # hold SMs the base GEMM beside it needs)
     with ctx:
-        if DELTA_FUSED and overwrite and n <= 64:
-            routes = _routing3(routing)
-            launch_delta(d, x, a, b, tuple(out_slices), *routes, max_rank, overwrite=True,
-                         ranks=ranks)  # fmt: skip
-        else:
-            if not overwrite:
-                buf.zero_()
-            elif shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the
-                h.zero_()  # shrink skips are rows the expand does not read
-            launch_shrink(x, a, h, *_routing3(routing), max_rank, shrink_cfg, ranks=ranks)
-            launch_expand(
-                d, h, b, tuple(out_slices), *_routing3(routing), overwrite=overwrite, ranks=ranks
-            )
+        if shrink_cfg.split_k > 1:  # partial sums are added into h; else rows the
+            h.zero_()  # shrink skips are rows the expand does not read
+        launch_shrink(x, a, h, *_routing3(routing), max_rank, shrink_cfg, ranks=ranks)
+        launch_expand(d, h, b, tuple(out_slices), *_routing3(routing), overwrite=True, ranks=ranks)
     y = torch.nn.functional.linear(x, weight, bias)
     if side is not None:
         main.wait_stream(side)

@@ -16,21 +16,16 @@ LoRA targets, fused as the model fuses them: ``qkv`` (PEFT's ``query``, ``key``,
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lora_graph.config import LoraReqConfig
 from lora_graph.layers import Linear
 from lora_graph.models.blocks import fuse_checkpoint
-from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
-from lora_graph.step import SeqChunk
 from lora_graph.targets import LoraTarget
 
 
@@ -213,100 +208,14 @@ _FUSED = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 _HEADS = ("pooler.", "cls.", "classifier.", "qa_outputs.")
 
 
-class BertPipeline(PipelineModelWithKVCache):
-    """BERT encoders (``BertModel`` checkpoints, e.g. sentence-transformers'
-    all-MiniLM-L6-v2) serving sentence embeddings, each row under its own adapter. No KV
-    cache: a step is whole sentences; :meth:`embed` runs a list of them.
-
-    Verified on CUDA on the H200 (2026-12-02): ``tests/test_bert.py::
-    test_each_row_matches_peft_on[tiny_bert-cuda]`` passes (a tiny random BERT, each row
-    against peft within 1e-4; the MiniLM case skipped there, its wheel not on the device)."""
-
-    def _get_compile_input_types(self) -> dict[str, tuple[str, ...]]:
-        return {"tokens": ("T",), "positions": ("T",), "query_start": ("S+1",)}
-
-    def _create_model_config(self, hf_config: Any) -> BertConfig:
-        return BertConfig.from_hf(hf_config)
-
-    def _instantiate_module(self, config: BertConfig) -> BertEncoderModel:
-        return BertEncoderModel(config)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def lora_targets(self) -> dict[str, LoraTarget]:
-        return lora_targets(self.config)
-
-    def lora_ignored_modules(self) -> tuple[str, ...]:
-        """The pooler (PEFT's ``dense`` also wraps it): a sentence embedding never reads it."""
-        return ("pooler.dense", "bert.pooler.dense")
-
-    def compile_regions(self) -> list[nn.Module]:
-        return list(cast(nn.ModuleList, cast(nn.Module, self.model.encoder).layer))
-
-    def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Drop ``bert.``, the pooler, the task models' heads and the position-id buffer;
-        fuse query/key/value into ``qkv`` (weights and biases)."""
-        renamed = {
-            name: tensor
-            for key, tensor in state_dict.items()
-            if not (name := key.removeprefix("bert.")).startswith(_HEADS)
-            and name != "embeddings.position_ids"
-        }
-        return fuse_checkpoint(renamed, _FUSED)
-
-    @torch.inference_mode()
-    def embed(self, rows: Sequence[tuple[Sequence[int], str | None]]) -> Tensor:
-        """Sentence embeddings of ``rows`` (token ids with special tokens, adapter or None),
-        float32 ``[len(rows), hidden]``, in steps of at most ``max_num_batched_tokens``
-        tokens, ``max_batch_size`` rows and the LoRA pool's slots of distinct adapters.
-
-        Raises:
-            ValueError: naming the row, for an unknown adapter, an empty row, a token id
-                outside the vocabulary, or a row longer than ``max_seq_len``.
-        """
-        known = self.manager.loras if self.manager is not None else ()
-        vocab = self.config.vocab_size
-        limit = min(self.max_seq_len, self.max_num_batched_tokens)
-        checked = []
-        for i, (ids, adapter) in enumerate(rows):
-            try:
-                LoraReqConfig(adapter).validate(known)
-            except ValueError as e:
-                raise ValueError(f"row {i}: {e}") from None
-            try:  # Python, NumPy or 0-d tensor integers; not bools or floats
-                if any(isinstance(t, bool) for t in ids):
-                    raise TypeError
-                ids = [operator.index(t) for t in ids]
-            except TypeError:
-                raise ValueError(f"row {i}: token ids must be integers in [0, {vocab})") from None
-            if not 0 < len(ids) <= limit:
-                raise ValueError(f"row {i}: {len(ids)} tokens (1 to {limit})")
-            if any(not 0 <= t < vocab for t in ids):
-                raise ValueError(f"row {i}: token ids must be integers in [0, {vocab})")
-            checked.append((ids, adapter))
-        rows = checked
-        slots = self.manager.config.max_slots if self.manager is not None else 0
-        out = torch.empty(len(rows), self.config.hidden_size)
-        step: list[SeqChunk] = []
-
-        def run() -> None:
-            inputs = self.prepare(step)
-            emb = self.execute(inputs)
-            for j, c in enumerate(inputs.chunks):
-                out[c.owner] = emb[j].float().cpu()
-            step.clear()
-
-        for i, (ids, adapter) in enumerate(rows):
-            names = {c.adapter for c in step if c.adapter is not None} | {adapter} - {None}
-            if step and (
-                sum(len(c.token_ids) for c in step) + len(ids) > self.max_num_batched_tokens
-                or len(step) == self.max_batch_size
-                or len(names) > slots
-            ):
-                run()
-            step.append(SeqChunk(adapter, list(ids), 0, (), owner=i))
-        if step:
-            run()
-        return out
+def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Rename a Hugging Face BERT state dict to :class:`BertEncoderModel`'s names: drop
+    ``bert.``, the pooler, the task models' heads and the position-id buffer; fuse
+    query/key/value into ``qkv`` (weights and biases)."""
+    renamed = {
+        name: tensor
+        for key, tensor in state_dict.items()
+        if not (name := key.removeprefix("bert.")).startswith(_HEADS)
+        and name != "embeddings.position_ids"
+    }
+    return fuse_checkpoint(renamed, _FUSED)

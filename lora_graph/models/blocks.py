@@ -18,7 +18,6 @@ from lora_graph.attention import (
     apply_rope,
     paged_attention,
     rope_kv_write,
-    rope_kv_write_reference,
 )
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
@@ -54,15 +53,6 @@ def rope_inv_freq(config: Any) -> Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
-
-
-# RoPE and the KV write as the one op :func:`lora_graph.attention.rope_kv_write` (one Triton
-# kernel on CUDA) when True; False: as torch ops that torch.compile fuses itself (two or
-# three kernels a layer). Off: on the H200 (session 11, bench/RESULTS.md) it saved 0-1% of
-# the base-only decode step and cost 1.5-3% on every LoRA step, where inductor otherwise
-# fuses the q/k/v delta's add into the rotation. A benchmark switch (bench/decode.py's
-# rope_kv), read when a step is traced.
-ROPE_KV_OP = False
 
 
 def residual_add(x: Tensor, y: Tensor) -> Tensor:
@@ -191,9 +181,8 @@ class PagedAttention(nn.Module):
         c = self.config
         n = x.shape[0]
         q, k, v = self.project(x, routing)
-        write = rope_kv_write if ROPE_KV_OP else rope_kv_write_reference
         k_cache, v_cache = cast(Tensor, self.kv_cache.k), cast(Tensor, self.kv_cache.v)
-        q = write(q, k, v, cos, sin, attn.slot_mapping, k_cache, v_cache)
+        q = rope_kv_write(q, k, v, cos, sin, attn.slot_mapping, k_cache, v_cache)
         k_pages, v_pages = self.kv_cache.pages()
         cap = (self.softcap,) if self.softcap else ()
         out = paged_attention(

@@ -34,7 +34,7 @@ from lora_graph.models.blocks import (
     PagedKVCache,
     RMSNorm,
 )
-from lora_graph.models.llama import LlamaConfig, LlamaModel, LlamaPipeline, hf_fields
+from lora_graph.models.llama import LlamaConfig, LlamaModel, hf_fields
 from lora_graph.routing import Routing
 
 
@@ -124,16 +124,3 @@ class Gemma2Model(LlamaModel):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-
-class Gemma2Pipeline(LlamaPipeline):
-    """Gemma 2 checkpoints in Hugging Face format.
-
-    Verified on CUDA on the H200 (2026-12-02):
-    ``tests/test_architectures.py::test_gpu_mixed_batch_matches_peft`` passes for Gemma 2
-    against a reference that runs eager attention (transformers 5.17's default SDPA drops
-    the attention soft cap, and a reference without it differs by 0.44).
-    """
-
-    config_class = Gemma2Config
-    model_class = Gemma2Model

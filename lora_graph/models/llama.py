@@ -34,7 +34,6 @@ from lora_graph.models.blocks import (
     residual_add,
     rope_tables,
 )
-from lora_graph.pipeline import PipelineModelWithKVCache
 from lora_graph.routing import Routing
 from lora_graph.targets import LoraTarget
 
@@ -360,39 +359,3 @@ def hf_weights_adapter(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         if "rotary_emb" not in key
     }
     return fuse_checkpoint(renamed, _FUSED)
-
-
-class LlamaPipeline(PipelineModelWithKVCache):
-    """Llama 2/3, Mistral, Qwen2, Qwen3 and Phi-3 checkpoints in Hugging Face format."""
-
-    config_class: type[LlamaConfig] = LlamaConfig
-    model_class: type[LlamaModel] = LlamaModel
-
-    def _create_model_config(self, hf_config: Any) -> LlamaConfig:
-        return self.config_class.from_hf(hf_config)
-
-    def _instantiate_module(self, config: LlamaConfig) -> LlamaModel:
-        return self.model_class(
-            config,
-            num_pages=self.num_kv_pages,
-            page_size=self.page_size,
-            max_seq_len=self.max_seq_len,
-            dtype=self.dtype,
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def lora_targets(self) -> dict[str, LoraTarget]:
-        return lora_targets(self.config)
-
-    def weights_adapter(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        return hf_weights_adapter(state_dict)
-
-    def kv_bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
-
-    def compile_regions(self) -> list[nn.Module]:
-        return list(cast(nn.ModuleList, self.model.layers))

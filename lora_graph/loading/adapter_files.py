@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lora_graph.config import AdapterError, AdapterInfo
 from lora_graph.layout import AdapterImage, SlotLayout
-from lora_graph.peft_config import (
+from lora_graph.loading.peft_config import (
     BASE_CHANGING_INITS,
     CONFIG_FIELDS,
     PEFT_DEFAULT_ALPHA,

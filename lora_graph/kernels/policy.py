@@ -1,0 +1,46 @@
+"""The kernel policy: which path a LoRA layer's call takes, chosen once when the layers are
+built (``LoRAConfig.kernel_policy``) and frozen; tests and benchmarks pass another policy
+instead of changing module state. The defaults are what the H200 measured fastest
+(``bench/RESULTS.md``, sessions 7-12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """How the kernels backend (:func:`lora_graph.ops.kernels`) runs a LoRA layer.
+
+    Attributes:
+        side_stream_max_rows: rows up to which a LoRA linear traced by ``torch.compile`` or
+            captured in a CUDA graph runs its delta on a side stream beside the base GEMM
+            (``lora_linear_delta``; decode), and an eager call on CUDA runs shrink and
+            expand in one launch (``delta_``). Above it, shrink and expand run in place
+            after the base linear. 0: never.
+        fused_silu_decode: whether, within ``side_stream_max_rows`` rows in a graph, a gated
+            MLP's gate/up projection runs ``lora_linear_shrink`` (the shrink beside the GEMM)
+            and ``lora_expand_silu_mul`` (the expand fused with the activation) instead of
+            the side-stream delta and the activation after. On the H200 (Llama-3-8B shapes,
+            4 adapters) it took 2-5% off a decode step at 8-64 rows and added 1.5% at 1 row.
+        fused_silu_min_rows: the fewest rows ``fused_silu_decode`` applies to (below it the
+            side-stream delta hides entirely behind the GEMM and the fused kernel does not).
+
+    Raises:
+        ValueError: for a negative row count, or ``fused_silu_min_rows`` below 1.
+    """
+
+    side_stream_max_rows: int = 64
+    fused_silu_decode: bool = True
+    fused_silu_min_rows: int = 8
+
+    def __post_init__(self) -> None:
+        if self.side_stream_max_rows < 0:
+            raise ValueError(
+                f"side_stream_max_rows must be at least 0, got {self.side_stream_max_rows}"
+            )
+        if self.fused_silu_min_rows < 1:
+            raise ValueError(
+                f"fused_silu_min_rows must be at least 1, got {self.fused_silu_min_rows}"
+            )
