@@ -291,3 +291,80 @@ def test_an_image_of_every_layer_is_placed_by_strided_copies_as_block_by_block()
         layout.b_view(expected, target, layer)[:, :3] = image.b(target, layer)
     assert torch.equal(pool[1], expected)
     assert (pool[0] == 5).all() and (pool[2] == 5).all()
+
+
+@pytest.mark.parametrize(
+    "policy_kw, rows, want",
+    [
+        ({}, 8, "fused"),  # decode in a graph at 8 rows: side shrink + fused expand/SwiGLU
+        ({}, 4, "side"),  # below fused_silu_min_rows: the side-stream delta
+        ({"fused_silu_decode": False}, 8, "side"),
+        ({"fused_silu_min_rows": 2}, 4, "fused"),
+        ({"side_stream_max_rows": 4}, 8, "plain"),  # above it: shrink + fused expand in place
+        ({"side_stream_max_rows": 0}, 1, "plain"),
+    ],
+)
+def test_the_kernel_policy_picks_each_layer_path(monkeypatch, policy_kw, rows, want):
+    """The backend (``ops.Kernels``) picks a LoRA linear's path from the frozen policy it
+    was built with, never from module state; every path gives the same values (the torch
+    reference implementations behind each kernel, the call as if in a CUDA graph)."""
+    from types import SimpleNamespace
+
+    from lora_graph import ops
+    from lora_graph.kernels import reference
+    from lora_graph.kernels.policy import KernelPolicy
+
+    calls: list[str] = []
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    kernels = ops.Kernels(
+        spy("shrink", reference.shrink),
+        reference.embedding_shrink,
+        spy("expand", reference.expand_),
+        linear_delta=spy("linear_delta", reference.linear_delta),
+        expand_silu_mul=spy("expand_silu_mul", reference.expand_silu_mul),
+        linear_shrink=spy("linear_shrink", reference.linear_shrink),
+        policy=KernelPolicy(**policy_kw),
+    )
+    monkeypatch.setattr(ops, "in_graph", lambda x: True)
+    g = torch.Generator().manual_seed(rows)
+    base = nn.Linear(16, 24)
+    layer = SimpleNamespace(
+        base=base, a=torch.randn(3, 2 * 4, 16, generator=g), b=torch.randn(3, 24, 4, generator=g),
+        ranks=None, num_slices=2, out_slices=[12, 12], per_segment=False, plans_tokens={},
+        plans_segments={},
+    )  # fmt: skip
+    routing = RoutingBuffer(2, torch.device("cpu")).fill([1], [0, rows], [0, 1])  # slot 1
+    x = torch.randn(rows, 16, generator=g)
+    got = kernels.silu_and_mul(layer, x, routing)
+    paths = {
+        "fused": ["linear_shrink", "expand_silu_mul"],
+        "side": ["linear_delta"],
+        "plain": ["shrink", "expand_silu_mul"],
+    }
+    assert calls == paths[want]
+    h = [x @ layer.a[1][4 * s : 4 * s + 4].T for s in range(2)]
+    d = torch.cat([h[s] @ layer.b[1][12 * s : 12 * s + 12].T for s in range(2)], dim=1)
+    torch.testing.assert_close(got, ops.silu_and_mul(base(x) + d), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_policy_is_frozen_and_checked():
+    from dataclasses import FrozenInstanceError
+
+    from lora_graph.kernels.policy import KernelPolicy
+
+    with pytest.raises(ValueError, match="side_stream_max_rows must be at least 0, got -1"):
+        KernelPolicy(side_stream_max_rows=-1)
+    with pytest.raises(ValueError, match="fused_silu_min_rows must be at least 1, got 0"):
+        KernelPolicy(fused_silu_min_rows=0)
+    with pytest.raises(FrozenInstanceError):
+        KernelPolicy().side_stream_max_rows = 0  # type: ignore[misc]
+    assert LoRAConfig(kernel_policy=KernelPolicy(side_stream_max_rows=0)).kernel_policy == (
+        KernelPolicy(side_stream_max_rows=0)
+    )
