@@ -1,6 +1,6 @@
 """The Triton kernels of the segmented LoRA shrink and expand (``@triton.jit`` only; the
 launch configuration is in :mod:`lora_graph.kernels.triton_config`, the launchers in
-:mod:`lora_graph.kernels.triton_launch`).
+:mod:`lora_graph.kernels.triton_launchers` and :mod:`lora_graph.kernels.triton_delta`).
 
 Semantics (the same as :mod:`lora_graph.kernels.reference`): ``h[s, t] = x[t] @ A[slot(t), s].T``
 and ``y[t, slice_s] += h[s, t] @ B[slot(t), slice_s].T`` for rows ``t < end``, ``slot(t)``
