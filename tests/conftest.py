@@ -14,7 +14,13 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+# the cores shared among pytest-xdist's workers (-n auto: one each), and inherited by the
+# processes the tests start (OMP_NUM_THREADS): on 2 cores, two workers of two threads each
+# took the suite's wall time up by two fifths
+_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_THREADS = min(_THREADS, 2)
+os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+torch.set_num_threads(_THREADS)
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

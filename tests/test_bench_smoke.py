@@ -22,15 +22,18 @@ WRITES_JSON = {
     "serve.py",
     "serve_load.py",
 }
-# decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline);
-# profile_step.py's mixed ranks
+# decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline),
+# eager, its --smoke default (the compiled step is tests/test_compile.py's; on the GPU the
+# script captures it); profile_step.py's mixed ranks
 EXTRA = {
     "decode.py": [
         "--variants",
         "now",
         "v:ranks=4/8,fused_silu=0,slot_ranks=0",
     ],
-    "profile_step.py": ["--ranks", "4/8"],  # adapters of two ranks in a pool of the larger
+    # adapters of two ranks in a pool of the larger; eager (the compiled step is
+    # tests/test_compile.py's; on the GPU the script captures it)
+    "profile_step.py": ["--ranks", "4/8", "--eager"],
 }
 
 

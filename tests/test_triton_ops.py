@@ -1190,6 +1190,7 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
     and replayed after the routing changes in place (one group, then one group a row over
     every rank 1..64, then a few with base rows), against float64; the eager ``delta_``
     (one ``launch_delta``) likewise, its workspace all zero after each."""
+    torch.manual_seed(n)  # (its draws must not depend on the tests before it)
     pool = gpu_pools(4096)
     ids, offs, end = make_routing([(4, n)], device=GPU, pad_to=max(GPU_SLOTS, n + 1))
     layouts = [
@@ -1235,7 +1236,11 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
             _, y64, _ = reference64(pool, name, x, y0, routing)
             assert torch.equal(y[~live], y0[~live])
             if live.any():
-                assert rel_err(y[live].double() - y0[live].double(), y64[live] - y0[live]) < 1e-2
+                # y0 + delta in float32, rounded once to bfloat16: within one unit in the last
+                # place of the float64 sum (a missing or wrong delta is far outside it; the
+                # difference y - y0 cannot be compared closer: y's rounding is in it)
+                err = (y[live].double() - y64[live]).abs()
+                assert (err <= 2**-7 * y64[live].abs() + 1e-6).all(), (name, float(err.max()))
             assert workspace_is_zero()
 
 
