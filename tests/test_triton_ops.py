@@ -1237,10 +1237,13 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
             assert torch.equal(y[~live], y0[~live])
             if live.any():
                 # y0 + delta in float32, rounded once to bfloat16: within one unit in the last
-                # place of the float64 sum (a missing or wrong delta is far outside it; the
-                # difference y - y0 cannot be compared closer: y's rounding is in it)
+                # place of the float64 sum, plus 1% of the largest delta for the float32
+                # products of bfloat16 operands (a missing or wrong delta is far outside it;
+                # y - y0 cannot be compared closer: y's rounding is in it)
+                scale = float((y64[live] - y0[live].double()).abs().max())
                 err = (y[live].double() - y64[live]).abs()
-                assert (err <= 2**-7 * y64[live].abs() + 1e-6).all(), (name, float(err.max()))
+                bound = 2**-7 * y64[live].abs() + 1e-2 * scale
+                assert (err <= bound).all(), (name, float((err - bound).max()), scale)
             assert workspace_is_zero()
 
 
