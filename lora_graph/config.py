@@ -95,6 +95,8 @@ class LoRAConfig:
             raise ValueError(f"cpu_capacity must be at least 1, got {self.cpu_capacity}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        if not isinstance(self.kernel_policy, KernelPolicy):
+            raise ValueError(f"kernel_policy must be a KernelPolicy, got {self.kernel_policy!r}")
 
     @property
     def num_slots(self) -> int:

@@ -363,6 +363,14 @@ def test_a_kernel_policy_is_frozen_and_checked():
         KernelPolicy(side_stream_max_rows=-1)
     with pytest.raises(ValueError, match="fused_silu_min_rows must be at least 1, got 0"):
         KernelPolicy(fused_silu_min_rows=0)
+    for bad in (dict(side_stream_max_rows=1.5), dict(side_stream_max_rows=True),
+                dict(side_stream_max_rows="8"), dict(fused_silu_min_rows=None)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer, got"):
+            KernelPolicy(**bad)
+    with pytest.raises(ValueError, match="fused_silu_decode must be True or False, got -1"):
+        KernelPolicy(fused_silu_decode=-1)
+    with pytest.raises(ValueError, match="kernel_policy must be a KernelPolicy, got 'x'"):
+        LoRAConfig(kernel_policy="x")
     with pytest.raises(FrozenInstanceError):
         KernelPolicy().side_stream_max_rows = 0  # type: ignore[misc]
     assert LoRAConfig(kernel_policy=KernelPolicy(side_stream_max_rows=0)).kernel_policy == (

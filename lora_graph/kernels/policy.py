@@ -28,7 +28,8 @@ class KernelPolicy:
             side-stream delta hides entirely behind the GEMM and the fused kernel does not).
 
     Raises:
-        ValueError: for a negative row count, or ``fused_silu_min_rows`` below 1.
+        ValueError: for a row count that is not an integer or is negative,
+            ``fused_silu_min_rows`` below 1, or a ``fused_silu_decode`` that is not a bool.
     """
 
     side_stream_max_rows: int = 64
@@ -36,6 +37,14 @@ class KernelPolicy:
     fused_silu_min_rows: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("side_stream_max_rows", "fused_silu_min_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.fused_silu_decode, bool):
+            raise ValueError(
+                f"fused_silu_decode must be True or False, got {self.fused_silu_decode!r}"
+            )
         if self.side_stream_max_rows < 0:
             raise ValueError(
                 f"side_stream_max_rows must be at least 0, got {self.side_stream_max_rows}"
