@@ -323,3 +323,26 @@ def test_each_row_matches_peft_on(model, device, request):
         torch.testing.assert_close(got[i].cpu(), want, rtol=0, atol=1e-4, msg=f"row {i} {adapter}")
         if adapter is not None:  # the adapter really changes the embedding
             assert float(got[i].cpu() @ expected(ref, x, None)) < 0.999
+
+
+def test_an_encoder_has_no_kv_cache_and_its_engine_refuses_generation(tiny_bert):
+    """The encoder's base class is ``PipelineModel``, without a KV cache or page pool; its
+    engine embeds (against peft) and finishes a generation request with the cause, and
+    takes no ``kv_cache_tokens``."""
+    from lora_graph.architectures import BertPipeline
+    from lora_graph.engine import LLMEngine, Request, SamplingParams
+    from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
+
+    path, _, ref, ids = tiny_bert
+    pipe = BertPipeline(path, max_seq_len=128)
+    assert isinstance(pipe, PipelineModel) and not isinstance(pipe, PipelineModelWithKVCache)
+    assert not hasattr(pipe, "pages")
+    engine = LLMEngine(pipe)
+    assert engine.is_encoder
+    torch.testing.assert_close(
+        engine.embed([(ids[0], None)])[0], expected(ref, ids[0], None), rtol=0, atol=1e-4
+    )
+    engine.add_request(Request("g", ids[0], SamplingParams(max_new_tokens=2)))
+    assert "it embeds (embed), it does not generate" in engine.finished["g"].error
+    with pytest.raises(TypeError, match="kv_cache_tokens"):
+        BertPipeline(path, kv_cache_tokens=64)
