@@ -8,7 +8,7 @@ import argparse
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -88,6 +88,8 @@ def build_engine(
             if loras or enable_lora
             else None
         )
+        # a decoder's KV cache size; an encoder has none
+        kv: dict[str, Any] = {"kv_cache_tokens": kv_cache_tokens} if decoder else {}
         pipeline = cls(
             model_dir,
             dtype=dtype,
@@ -101,7 +103,7 @@ def build_engine(
             ),
             gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
-            **cast(dict[str, Any], {"kv_cache_tokens": kv_cache_tokens} if decoder else {}),
+            **kv,
         )
     except MemoryBudgetError as e:
         raise CliError(_flag_names(str(e))) from e

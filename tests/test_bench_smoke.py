@@ -5,12 +5,12 @@ imported torch, transformers and peft once (:func:`run_bench`)."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,27 +63,19 @@ def test_every_benchmark_is_covered():
     ]
 
 
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str  # stdout and stderr together
-
-
 # the benchmarks' common imports, once a worker: each run forks from a server holding them
 # (multiprocessing's forkserver) instead of importing them again (about 5 s a script)
 _PRELOAD = ["torch", "transformers", "peft", "safetensors", "numpy"]
-_CONTEXT: list = []
 # scripts that set TRITON_INTERPRET before Triton is first imported (the forkserver's
 # preloaded torch has imported it): a process of their own
 OWN_PROCESS = {"attention.py", "decode_gemm.py", "lora_kernels.py"}
 
 
+@functools.cache
 def _forkserver():
-    if not _CONTEXT:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        _CONTEXT.append(ctx)
-    return _CONTEXT[0]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _run_in_child(script: str, args: list[str], log: str) -> None:
@@ -114,16 +106,18 @@ def _run_in_child(script: str, args: list[str], log: str) -> None:
     os._exit(code)
 
 
-def run_bench(script: str, args: list[str], tmp_path: Path, timeout: float = 600) -> Ran:
+def run_bench(
+    script: str, args: list[str], tmp_path: Path, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """``python bench/<script> <args>`` with the GPU hidden, in a process forked from the
-    worker's forkserver; its exit code and output."""
+    worker's forkserver; its exit code and output (stdout and stderr together)."""
     if script in OWN_PROCESS:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
         done = subprocess.run(
             [sys.executable, str(BENCH / script), *args], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env, cwd=BENCH.parent,
         )  # fmt: skip
-        return Ran(done.returncode, done.stdout)
+        return done
     log = tmp_path / f"{script}.log"
     proc = _forkserver().Process(target=_run_in_child, args=(script, args, str(log)))
     proc.start()
@@ -132,7 +126,7 @@ def run_bench(script: str, args: list[str], tmp_path: Path, timeout: float = 600
         proc.kill()
         proc.join()
         raise AssertionError(f"{script} ran past {timeout} s:\n" + log.read_text()[-3000:])
-    return Ran(proc.exitcode or 0, log.read_text())
+    return subprocess.CompletedProcess(script, proc.exitcode or 0, log.read_text())
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
