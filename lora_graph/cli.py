@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 import torch
 
+from lora_graph.config import package_version
 from lora_graph.engine import Request, RequestOutput, SamplingParams, check_text
 from lora_graph.launch import CliError, build_engine, check_engine_flags, engine_from_args
 from lora_graph.request_files import (
@@ -26,15 +27,6 @@ from lora_graph.request_files import (
 )
 
 EXIT_BAD_INPUT = 2
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lora_graph")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def _assets_dir() -> Path:
@@ -106,6 +98,8 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
             raise CliError(str(e)) from None
     lines = read_request_lines(args.requests) if args.requests else []
     engine, tokenizer = engine_from_args(args)
+    if args.progress and engine.pipeline.max_seq_len_from_model:
+        print(engine.pipeline.max_seq_len_note, file=sys.stderr)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -195,6 +189,24 @@ def _write_results(text: str, output: str | None, stdout: TextIO) -> None:
         ) from e
 
 
+def _read_chat_template(path: str | None) -> str | None:
+    """``serve --chat-template FILE``'s text (None without the flag).
+
+    Raises:
+        CliError: for a file that cannot be read as UTF-8, or is empty.
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"--chat-template {path!r}: cannot read it ({e})") from e
+    if not text.strip():
+        raise CliError(f"--chat-template {path!r} is empty")
+    return text
+
+
 def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     from lora_graph import server
 
@@ -220,6 +232,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         raise CliError(f"--lora {name!r}: the base model is served under that name")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty (leave it out to serve without a key)")
+    chat_template = _read_chat_template(args.chat_template)
     check_engine_flags(
         args.lora,
         max_loras=args.max_loras,
@@ -256,11 +269,14 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
         lora_roots=list(args.lora_root),
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes,
+        strict_fields=args.strict_fields,
+        api_key_metrics=args.api_key_metrics,
+        chat_template=chat_template,
     )
     app = server.create_app(engine, tokenizer, config)
     print(
         f"serving {config.model_name!r} and adapters {engine.list_loras()} "
-        f"on http://{args.host}:{args.port}/v1",
+        f"({engine.pipeline.max_seq_len_note}) on http://{args.host}:{args.port}/v1",
         file=stdout,
         flush=True,
     )
@@ -329,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lora-graph", description="Serve one base model and many LoRA adapters in one batch."
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -416,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-seq-len",
         type=int,
         default=None,
-        help="prompt + generated tokens per request (default: 512, or the model's "
-        "max_position_embeddings if smaller)",
+        help="prompt + generated tokens per request (default: the model's context, "
+        "max_position_embeddings, bounded by what the KV cache memory holds, said at start-up)",
     )
     gen = sub.add_parser(
         "generate",
@@ -465,8 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible HTTP server (completions, chat, streaming, adapters)",
         description="Serve the model and its adapters over HTTP with OpenAI's API: "
         "POST /v1/completions and /v1/chat/completions (model = the base model's name or an "
-        "adapter's), GET /v1/models, /health, /metrics; POST /v1/load_lora_adapter and "
-        "/v1/unload_lora_adapter with --allow-runtime-lora. Needs the serve extra: "
+        "adapter's), /v1/embeddings (an encoder), /v1/tokenize, /v1/detokenize; GET /v1/models, "
+        "/v1/models/{id}, /version, /health, /metrics; POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter with --allow-runtime-lora. Which request fields are served, "
+        "accepted at their no-op value only, or refused: the README's table. Needs the serve "
+        "extra: "
         "pip install 'lora_graph[serve]'.",
     )
     srv.add_argument(
@@ -483,6 +502,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("LORA_GRAPH_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: "
         "$LORA_GRAPH_API_KEY; none: anyone who can reach the port may use it)",
+    )
+    srv.add_argument(
+        "--api-key-metrics",
+        action="store_true",
+        help="/metrics needs the API key too (default: open to anyone who can reach the port, "
+        "as vLLM's)",
+    )
+    srv.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="answer 400 'unknown field' to a request field the server does not know (default: "
+        "ignore it and log its name once, as vLLM does)",
+    )
+    srv.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template to use instead of the tokenizer's (a model without one then "
+        "serves /v1/chat/completions)",
     )
     srv.add_argument(
         "--allow-runtime-lora",

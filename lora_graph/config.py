@@ -123,3 +123,14 @@ class LoraReqConfig:
         if self.adapter not in loaded:
             known = ", ".join(sorted(loaded)) or "none"
             raise ValueError(f"unknown adapter {self.adapter!r} (loaded: {known})")
+
+
+def package_version() -> str:
+    """This package's installed version (``lora-graph --version``, the server's
+    ``/version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lora_graph")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

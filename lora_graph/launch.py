@@ -79,8 +79,6 @@ def build_engine(
             raise CliError(f"{kind} is an encoder; use lora-graph embed")
         if encoder is True and decoder:
             raise CliError(f"{kind} is not an encoder (embed: bert)")
-        if max_seq_len is None:
-            max_seq_len = min(512, getattr(hf_config, "max_position_embeddings", 512))
         lora = (
             LoRAConfig(
                 max_slots=max_loras, max_rank=max_lora_rank, cpu_capacity=max(16, len(loras))

@@ -155,6 +155,44 @@ def kv_cache_pages(
     )
 
 
+def cpu_kv_cache_tokens(device: torch.device, page_bytes: int, page_size: int, slots: int) -> int:
+    """Off CUDA, the KV cache a model's default ``max_seq_len`` may use: a quarter of the
+    free memory (``page_size`` token positions per ``page_bytes``); 0 where that cannot
+    be read."""
+    free_now = free_memory_bytes(device)
+    if free_now is None or not page_bytes:
+        return 0
+    return max(0, int((free_now // 4 - slots) // page_bytes)) * page_size
+
+
+def fit_seq_len(
+    *,
+    context: int,
+    device: torch.device,
+    page_bytes: int,
+    page_size: int,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+    slots: int,
+    fixed_bytes: Callable[[], int],
+) -> int:
+    """The default ``max_seq_len``: the model's ``context``, bounded by the KV cache that
+    :func:`kv_cache_pages` would allocate (one request of it must fit): ``kv_cache_tokens``
+    if given, else on CUDA what ``gpu_memory_utilization`` leaves. At least 2 (a smaller
+    budget is then refused by :func:`kv_cache_pages`, naming the sizes)."""
+    if not page_bytes:
+        return context
+    if kv_cache_tokens is not None:
+        pages = -(-kv_cache_tokens // page_size)
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = gpu_memory_utilization * total - (total - free) - fixed_bytes() - slots
+        pages = int(budget // page_bytes) - 1
+    else:
+        return context
+    return max(2, min(context, pages * page_size))
+
+
 def check_slots_fit(device: torch.device, slots: int) -> None:
     """For a model without a KV cache (an encoder): the slot pool must fit the free memory.
 

@@ -49,7 +49,10 @@ class PipelineModel(abc.ABC):
         dtype: parameter and activation dtype.
         device: where the model runs.
         max_batch_size: the most requests in one step (and running at once).
-        max_seq_len: the longest request (prompt plus generated tokens).
+        max_seq_len: the longest request (prompt plus generated tokens); None: the model's
+            context (``max_position_embeddings``), for a model with a KV cache bounded by
+            what its memory holds (:func:`lora_graph.memory.fit_seq_len`;
+            :attr:`max_seq_len_note` says which).
         max_num_batched_tokens: the most tokens in one step (prefill chunks plus decodes).
         gpu_memory_utilization: on CUDA, the fraction of the device's memory this pipeline
             may use (weights, adapter slots, activations and the KV cache), as vLLM's
@@ -75,7 +78,7 @@ class PipelineModel(abc.ABC):
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         max_batch_size: int = 8,
-        max_seq_len: int = 512,
+        max_seq_len: int | None = 512,
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
@@ -85,7 +88,7 @@ class PipelineModel(abc.ABC):
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        if max_seq_len < 2:
+        if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
         if max_num_batched_tokens < max_batch_size:
             raise ValueError(
@@ -105,12 +108,25 @@ class PipelineModel(abc.ABC):
                 "not passed); serve it on the CPU (--device cpu)"
             )
         self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.gpu_memory_utilization = gpu_memory_utilization
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
+        self.max_seq_len_from_model = max_seq_len is None
+        if max_seq_len is None:
+            if limit is None:
+                raise ValueError(
+                    "the model's config has no max_position_embeddings: give max_seq_len"
+                )
+            max_seq_len = int(limit)
+        self.max_seq_len: int = max_seq_len
+        #: how max_seq_len was chosen, for a start-up line
+        self.max_seq_len_note = (
+            f"max_seq_len {max_seq_len} (the model's context)"
+            if self.max_seq_len_from_model
+            else f"max_seq_len {max_seq_len}"
+        )
         if limit is not None and max_seq_len > limit:
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
@@ -424,6 +440,45 @@ class PipelineModelWithKVCache(PipelineModel):
 
     def _plan_memory(self, lora: LoRAConfig | None) -> None:
         config = self.config
+
+        def fixed_bytes() -> int:
+            return memory.weight_bytes(
+                lambda: self._instantiate_module(config), self.dtype
+            ) + memory.activation_bytes(
+                hidden_size=getattr(config, "hidden_size", 0),
+                intermediate_size=getattr(config, "intermediate_size", 0),
+                vocab_size=getattr(config, "vocab_size", 0),
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_batch_size=self.max_batch_size,
+            )
+
+        page_bytes = self.kv_bytes_per_token() * self.page_size
+        if self.max_seq_len_from_model:
+            context = self.max_seq_len
+            if self.kv_cache_tokens is None and self.device.type != "cuda":
+                # off CUDA the pool is every request at full length: bounded for a long context
+                cap = memory.cpu_kv_cache_tokens(
+                    self.device, page_bytes, self.page_size, self._slot_bytes(lora)
+                )
+                # (not below a page per running request: such sizes are refused as before)
+                if self.max_batch_size * self.page_size <= cap < self.max_batch_size * context:
+                    self.kv_cache_tokens = cap
+            self.max_seq_len = memory.fit_seq_len(
+                context=context,
+                device=self.device,
+                page_bytes=page_bytes,
+                page_size=self.page_size,
+                kv_cache_tokens=self.kv_cache_tokens,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                slots=self._slot_bytes(lora),
+                fixed_bytes=fixed_bytes,
+            )
+            if self.max_seq_len < context:
+                self.max_seq_len_note = (
+                    f"max_seq_len {self.max_seq_len} (the model's context {context} bounded by "
+                    "the memory left for the KV cache; give --max-seq-len or "
+                    "--kv-cache-tokens to choose)"
+                )
         self.num_kv_pages = memory.kv_cache_pages(
             device=self.device,
             page_bytes=self.kv_bytes_per_token() * self.page_size,
@@ -433,16 +488,7 @@ class PipelineModelWithKVCache(PipelineModel):
             kv_cache_tokens=self.kv_cache_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization,
             slots=self._slot_bytes(lora),
-            fixed_bytes=lambda: (
-                memory.weight_bytes(lambda: self._instantiate_module(config), self.dtype)
-                + memory.activation_bytes(
-                    hidden_size=getattr(config, "hidden_size", 0),
-                    intermediate_size=getattr(config, "intermediate_size", 0),
-                    vocab_size=getattr(config, "vocab_size", 0),
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    max_batch_size=self.max_batch_size,
-                )
-            ),
+            fixed_bytes=fixed_bytes,
         )
         self.pages = PagePool(self.num_kv_pages, self.page_size)
 

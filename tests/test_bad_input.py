@@ -280,8 +280,24 @@ def test_size_typo_says_what_fits(tiny, capsys):
     assert "(--max-batch-size 1000000000 x --max-seq-len 128, or --kv-cache-tokens) needs" in err
     assert "GiB is free on cpu; at most --kv-cache-tokens" in err
     # a KV cache too small for one request of --max-seq-len would strand a long request
-    assert _run(tiny, ["--prompt", "hi", "--kv-cache-tokens", "16"], loras=()) == 2
+    argv = ["--prompt", "hi", "--kv-cache-tokens", "16", "--max-seq-len", "128"]
+    assert _run(tiny, argv, loras=()) == 2
     assert "cannot hold one request of --max-seq-len 128" in capsys.readouterr().err
+
+
+def test_default_max_seq_len_is_the_context_bounded_by_the_kv_cache(tiny):
+    """Without --max-seq-len a request may use the model's whole context (128 here), unless
+    the KV cache holds less (then its size: one request must always fit)."""
+    from lora_graph.launch import build_engine
+
+    kw = dict(max_loras=1, max_lora_rank=8, dtype="float32", device="cpu", max_batch_size=2,
+              max_seq_len=None, progress=False)  # fmt: skip
+    engine, _ = build_engine(str(tiny.base), [], **kw)
+    assert engine.max_seq_len == 128
+    assert engine.pipeline.max_seq_len_note == "max_seq_len 128 (the model's context)"
+    engine, _ = build_engine(str(tiny.base), [], kv_cache_tokens=40, **kw)
+    assert engine.max_seq_len == 48  # 40 positions are 3 pages of 16
+    assert "the model's context 128 bounded by the memory" in engine.pipeline.max_seq_len_note
 
 
 # ---- adapters ------------------------------------------------------------------------

@@ -240,14 +240,33 @@ def test_embeddings_over_http_with_the_openai_client(minilm):
         vec = torch.tensor(r.json()["data"][0]["embedding"])
         torch.testing.assert_close(vec, expected(ref, ids[2], None), rtol=0, atol=2e-6)
         bad = {
-            "/v1/embeddings": ({"model": "nope", "input": "hi"}, "the model 'nope' does not exist"),
-            "/v1/completions": ({"model": "minilm", "prompt": "hi"}, "is an encoder"),
+            "/v1/embeddings": (
+                {"model": "nope", "input": "hi"},
+                404,
+                "the model 'nope' does not exist",
+            ),
+            "/v1/completions": ({"model": "minilm", "prompt": "hi"}, 400, "is an encoder"),
         }
-        for route, (body, message) in bad.items():
+        for route, (body, status, message) in bad.items():
             r = http.post(route, json=body)
-            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+            assert r.status_code == status and message in r.json()["error"]["message"], r.text
         r = http.post("/v1/embeddings", json={"model": "qv", "input": []})
         assert r.status_code == 400 and "input is empty" in r.text
+        # vLLM's truncate_prompt_tokens: the last k tokens, the special tokens kept
+        x = AutoTokenizer.from_pretrained(path)(TEXTS[3])["input_ids"]  # [CLS] ... [SEP]
+        cut = [x[0], *x[len(x) - 5 : -1], x[-1]]
+        assert len(x) > 10 and len(cut) == 6
+        r = http.post("/v1/embeddings", json={"model": "all", "input": [TEXTS[3], TEXTS[2]],
+                                               "truncate_prompt_tokens": 6})  # fmt: skip
+        assert r.status_code == 200, r.text
+        got = [torch.tensor(d["embedding"]) for d in r.json()["data"]]
+        short = AutoTokenizer.from_pretrained(path)(TEXTS[2])["input_ids"]  # under 6: whole
+        torch.testing.assert_close(got[0], expected(ref, cut, "all"), rtol=0, atol=2e-6)
+        torch.testing.assert_close(got[1], expected(ref, short, "all"), rtol=0, atol=2e-6)
+        assert r.json()["usage"]["prompt_tokens"] == 6 + len(short)
+        r = http.post("/v1/embeddings", json={"model": "all", "input": "hi",
+                                               "truncate_prompt_tokens": 0})  # fmt: skip
+        assert r.status_code == 400 and "truncate_prompt_tokens must be -1 or in" in r.text
 
 
 def test_cli_refusals(minilm, tmp_path, capsys):

@@ -177,7 +177,11 @@ def test_cudagraph_without_cuda_exits_2(tiny, capsys):
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 16"),
         (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens must be at least 16"),
         (["--kv-cache-tokens", "0"], "--kv-cache-tokens must be at least 1"),
-        (["--kv-cache-tokens", "100"], "--kv-cache-tokens 100 cannot hold one request of"),
+        # (without --max-seq-len the default is bounded by the KV cache: see below)
+        (
+            ["--kv-cache-tokens", "100", "--max-seq-len", "128"],
+            "--kv-cache-tokens 100 cannot hold one request of",
+        ),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
         (

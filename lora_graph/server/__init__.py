@@ -8,20 +8,24 @@ FastAPI routes, uvicorn serving, FastAPI's server-sent events for ``stream: true
   ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings), ``stop_token_ids``,
   ``n``, ``ignore_eos``, ``stream`` and ``stream_options``. Streamed responses are OpenAI's
   chunk objects, then (only with ``stream_options: {"include_usage": true}``, as OpenAI
-  and vLLM) a usage chunk with no choices, then ``[DONE]``. ``logprobs`` is refused (400).
+  and vLLM) a usage chunk with no choices, then ``[DONE]``. Every other field OpenAI's and
+  vLLM's clients send: ``fields`` (served, no-op only, refused; unknown ones ignored).
 - ``POST /v1/embeddings`` (an encoder, ``lora_graph/models/bert.py``): sentence embeddings of a
   text, texts or token-id lists, under the adapter ``model`` names; ``encoding_format`` float or
   base64. An encoder serves only this route; a decoder every other.
-- ``GET /v1/models``: the base model and every loaded adapter.
+- ``GET /v1/models`` (the base model and every loaded adapter), ``GET /v1/models/{id}``;
+  vLLM's ``POST /v1/tokenize`` and ``/v1/detokenize``; ``GET /version``.
 - ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``: vLLM's payload
   (``lora_name``, ``lora_path``); loading needs ``allow_runtime_lora`` and a path under one
   of ``lora_roots``.
-- ``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text format).
+- ``GET /health`` (never needs the API key), ``GET /metrics`` (Prometheus text format;
+  open unless ``api_key_metrics``).
 
-Rooms: ``protocol`` (request bodies, the error body), ``config`` (:class:`ServerConfig`),
-``security`` (API key, body limit, ``--lora-root`` confinement), ``engine_loop`` (the
-engine thread), ``metrics``, ``choices`` (a choice's text and stop strings), ``handlers``
-(every route's handler), ``app`` (middleware, error handlers, routes, :func:`run_server`).
+Rooms: ``protocol`` (request bodies, the error body), ``fields`` (the field policy),
+``config`` (:class:`ServerConfig`), ``security`` (API key, body limit, ``--lora-root``
+confinement), ``engine_loop`` (the engine thread), ``metrics``, ``choices`` (a choice's
+text and stop strings), ``handlers`` (every route's handler), ``app`` (middleware, error
+handlers, routes, :func:`run_server`).
 
 Threading: one background thread (:class:`EngineLoop`) owns the engine and runs its steps;
 HTTP handlers never touch the engine, they send it commands (run on that thread between

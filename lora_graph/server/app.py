@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lora_graph.config import package_version
 from lora_graph.engine import LLMEngine
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop
@@ -27,8 +28,10 @@ from lora_graph.server.protocol import (
     APIError,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     EmbeddingBody,
     LoadBody,
+    TokenizeBody,
     UnloadBody,
     validation_message,
 )
@@ -116,6 +119,24 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return await serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return await serving.model(model_id)
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+        return await serving.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": package_version()}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadBody) -> PlainTextResponse:

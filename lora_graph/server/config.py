@@ -17,6 +17,11 @@ class ServerConfig:
         default_max_tokens: ``max_tokens`` when a request gives none.
         max_request_bytes: larger request bodies are refused (413): before they are read
             when their ``Content-Length`` says so, else once the bytes read pass it.
+        strict_fields: answer 400 ``unknown field`` to a request field in no table of
+            :mod:`lora_graph.server.fields` (default: ignore it, logging its name once).
+        api_key_metrics: ``/metrics`` needs the API key too (default: open, as vLLM's).
+        chat_template: a Jinja chat template used instead of the tokenizer's (``serve
+            --chat-template FILE``; a model without one then serves chat).
     """
 
     model_name: str
@@ -25,3 +30,6 @@ class ServerConfig:
     lora_roots: list[str] = field(default_factory=list)
     default_max_tokens: int = 16
     max_request_bytes: int = 8 << 20
+    strict_fields: bool = False
+    api_key_metrics: bool = False
+    chat_template: str | None = None

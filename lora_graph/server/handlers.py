@@ -24,14 +24,18 @@ from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams,
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, Watcher
+from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
     APIError,
     ChatBody,
+    ChatMessage,
     ClientGone,
     CompletionBody,
+    DetokenizeBody,
     EmbeddingBody,
     LoadBody,
+    TokenizeBody,
     UnloadBody,
 )
 from lora_graph.server.security import path_under
@@ -51,6 +55,9 @@ def _stops_of(body: Any) -> list[str]:
     return stops
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _sse(data: Any) -> bytes:  # FastAPI's SSE wire format
     return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))
 
@@ -66,7 +73,7 @@ class _Generation:
         self.chat = chat
         self.choices: list[Choice] = []
         self.events: asyncio.Queue = asyncio.Queue()
-        self.prompt_len = 0
+        self.prompt_lens: list[int] = []  # one per prompt (a choice set each)
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self._checked = time.monotonic()
@@ -106,10 +113,11 @@ class _Generation:
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(c.tokens) for c in self.choices)
+        prompt = sum(self.prompt_lens)
         return {
-            "prompt_tokens": self.prompt_len,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": self.prompt_len + completion,
+            "total_tokens": prompt + completion,
         }
 
     def envelope(self, kind: str, choices: list[dict], usage: dict | None) -> dict[str, Any]:
@@ -231,41 +239,45 @@ class OpenAIServing:
         """The adapter ``model`` names (None: the base model).
 
         Raises:
-            APIError: 400 naming what is served, for any other name.
+            APIError: 404 ``model_not_found`` naming what is served, for any other name
+                (OpenAI's and vLLM's answer).
         """
         if model == self.config.model_name:
             return None
         if not self.engine.is_lora(model):
             known = [self.config.model_name, *self.engine.list_loras()]
             raise APIError(
-                400, f"the model {model!r} does not exist (served: {', '.join(known)})",
-                param="model",
+                404, f"the model {model!r} does not exist (served: {', '.join(known)})",
+                param="model", code="model_not_found",
             )  # fmt: skip
         return model
 
     def sampling_of(self, body: Any, max_tokens: int | None) -> SamplingParams:
-        """The request's sampling parameters, validated (400 naming the first bad one)."""
-        if body.logprobs not in (None, False) or getattr(body, "top_logprobs", None):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if not 1 <= body.n <= 16:
-            raise APIError(400, f"n must be in [1, 16], got {body.n}", param="n")
+        """The request's sampling parameters, validated (400 naming the first bad one);
+        a field left out (or null) takes OpenAI's default. ``max_tokens`` None: the
+        server's ``default_max_tokens``."""
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= 16:
+            raise APIError(400, f"n must be in [1, 16], got {n}", param="n")
         if max_tokens is not None and max_tokens < 1:
             raise APIError(
                 400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
             )
+        top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM's -1: every token
         s = SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else self.config.default_max_tokens,
-            temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=top_k,
+            top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids),
-            ignore_eos=body.ignore_eos,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
         )
         try:
             s.validate()
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            param = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=param if hasattr(body, param) else None) from e
         return s
 
     def _generates(self) -> None:
@@ -277,10 +289,12 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
     async def _submit(
-        self, gen: _Generation, prompt_ids: list[int], adapter: str | None, sampling: Any
+        self, gen: _Generation, prompts: list[list[int]], adapter: str | None, sampling: list[Any]
     ) -> None:
-        """Queue the generation's ``n`` engine requests; their events arrive on its queue
-        as ``(choice index, "token", id)`` and ``(choice index, "finish", RequestOutput)``.
+        """Queue the generation's engine requests, ``n`` a prompt (``sampling[p]`` for
+        prompt ``p``); their events arrive on its queue as ``(choice index, "token", id)``
+        and ``(choice index, "finish", RequestOutput)``; choice ``p * n + i`` is prompt
+        ``p``'s ``i``-th (OpenAI's order).
 
         Raises:
             APIError: 400 if the engine refuses a request (none is then served), 503 if the
@@ -289,9 +303,9 @@ class OpenAIServing:
         aloop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
         stops = _stops_of(gen.body)
-        n = gen.body.n
-        gen.choices = [Choice(i, f"{base}-{i}", stops) for i in range(n)]
-        gen.prompt_len = len(prompt_ids)
+        n = gen.body.n or 1
+        gen.choices = [Choice(i, f"{base}-{i}", stops) for i in range(n * len(prompts))]
+        gen.prompt_lens = [len(p) for p in prompts]
 
         def put(item: Any) -> None:
             aloop.call_soon_threadsafe(gen.events.put_nowait, item)
@@ -310,16 +324,15 @@ class OpenAIServing:
             submitted: list[str] = []
             try:
                 for c in gen.choices:
-                    s = sampling
-                    if n > 1 and sampling.seed is not None:  # choice i draws with seed + i
-                        s = SamplingParams(
-                            **{**sampling.__dict__, "seed": (sampling.seed + c.index) % 2**64}
-                        )
+                    p, i = divmod(c.index, n)
+                    s = sampling[p]
+                    if n > 1 and s.seed is not None:  # choice i draws with seed + i
+                        s = SamplingParams(**{**s.__dict__, "seed": (s.seed + i) % 2**64})
                     watcher = Watcher(
                         functools.partial(lambda i, t: put((i, "token", t)), c.index),
                         functools.partial(finished, c),
                     )
-                    loop.submit(Request(c.request_id, list(prompt_ids), adapter, s), watcher)
+                    loop.submit(Request(c.request_id, list(prompts[p]), adapter, s), watcher)
                     submitted.append(c.request_id)
             except ValueError:
                 for c in gen.choices:
@@ -327,7 +340,7 @@ class OpenAIServing:
                 for request_id in submitted:
                     loop.abort(request_id)
                 raise
-            self.metrics.prompt_tokens.inc(len(prompt_ids) * n)
+            self.metrics.prompt_tokens.inc(sum(map(len, prompts)) * n)
 
         try:
             await self.on_engine(submit_all)
@@ -340,69 +353,205 @@ class OpenAIServing:
         self,
         http: HTTPRequest,
         body: Any,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         chat: bool,
     ) -> Any:
+        """Serve ``prompts`` (one for chat); ``max_tokens`` None: the server's default on
+        completions, up to the context on chat (OpenAI's and vLLM's defaults)."""
         limit = self.engine.max_seq_len
-        if len(prompt_ids) >= limit:  # (a text prompt is read up to 64 characters a position)
-            raise APIError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens or more; at most {limit - 1} fit "
-                "(max_seq_len)",
-                param="messages" if chat else "prompt",
-            )
+        where = "messages" if chat else "prompt"
+        for k, ids in enumerate(prompts):
+            if len(ids) >= limit:  # (a text prompt is read up to 64 characters a position)
+                which = f"{where}[{k}]" if len(prompts) > 1 else f"the {where.rstrip('s')}"
+                raise APIError(
+                    400,
+                    f"{which} has {len(ids)} tokens or more; at most {limit - 1} fit (max_seq_len)",
+                    param=where,
+                )
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         adapter = self.adapter_of(body.model)
-        sampling = self.sampling_of(body, max_tokens)
+        sampling = [
+            self.sampling_of(
+                body, max_tokens if max_tokens is not None or not chat else limit - len(ids)
+            )
+            for ids in prompts
+        ]
         gen = _Generation(self, http, body, chat)
-        await self._submit(gen, prompt_ids, adapter, sampling)
+        await self._submit(gen, prompts, adapter, sampling)
         if not body.stream:
             return await gen.whole()
         return EventSourceResponse(gen.stream())
 
+    async def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (off the event loop: a long text must not stall other
+        connections); read up to 64 characters a position past ``max_seq_len`` (the
+        length check then refuses it).
+
+        Raises:
+            APIError: 400 for text no tokenizer can encode.
+        """
+        _text_or_400(text, param, param.split("[", 1)[0])
+        text = text[: 64 * self.engine.max_seq_len]
+        try:
+            return await asyncio.to_thread(
+                lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens)[
+                    "input_ids"])
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
+            raise APIError(400, f"{param} cannot be tokenized: {e}", param=param) from e
+
+    async def _prompts_of(self, body: CompletionBody) -> list[list[int]]:
+        """A completions ``prompt`` as token ids: text, token ids, or a list of either."""
+        raw: Any = body.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise APIError(400, "prompt is empty", param="prompt")
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        out = []
+        for k, p in enumerate(raw):
+            where = f"prompt[{k}]" if len(raw) > 1 else "prompt"
+            out.append(list(p) if isinstance(p, list) else await self._tokenize(p, where, add))
+        return out
+
     # ---- routes -------------------------------------------------------------------------
     async def completions(self, http: HTTPRequest, body: CompletionBody) -> Any:
-        """``POST /v1/completions``: ``prompt`` as text or token ids."""
+        """``POST /v1/completions``: ``prompt`` as text or token ids, or a list of either
+        (one choice set each)."""
+        check_fields(body, COMPLETIONS, strict=self.config.strict_fields)
         self._generates()
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if not isinstance(body.prompt, str):
-            return await self._generate(http, body, list(body.prompt), body.max_tokens, False)
-        _text_or_400(body.prompt, "prompt", "prompt")
-        text = body.prompt[: 64 * self.engine.max_seq_len]
-        try:  # off the event loop: a long prompt must not stall other connections
-            prompt_ids = await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
-        except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
-            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from e
-        return await self._generate(http, body, prompt_ids, body.max_tokens, False)
+        prompts = await self._prompts_of(body)
+        return await self._generate(http, body, prompts, body.max_tokens, False)
 
-    async def chat(self, http: HTTPRequest, body: ChatBody) -> Any:
-        """``POST /v1/chat/completions``: the messages through the chat template."""
-        self._generates()
-        if getattr(self.tokenizer, "chat_template", None) is None:
+    def _messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them (text parts joined).
+
+        Raises:
+            APIError: 400 naming a message of an unknown role, a non-text part, content
+                missing from a message that needs it, or text no tokenizer can encode.
+        """
+        out = []
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise APIError(
+                    400, f"messages[{i}].role {m.role[:40]!r} is not one of {', '.join(ROLES)}",
+                    param="messages",
+                )  # fmt: skip
+            content = m.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise APIError(
+                            400, f"messages[{i}].content[{j}] is a {part.type[:40]!r} part; "
+                            "this model takes text parts only", param="messages",
+                        )  # fmt: skip
+                content = "".join(part.text or "" for part in content)
+            if content is None and m.role != "assistant" and m.role != "tool":
+                raise APIError(
+                    400, f"messages[{i}].content is missing or null; only an assistant's "
+                    "message may leave it out", param="messages",
+                )  # fmt: skip
+            d: dict[str, Any] = {"role": m.role, "content": content or ""}
+            for key in ("name", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    d[key] = getattr(m, key)
+            if m.tool_calls is not None:
+                d["tool_calls"] = m.tool_calls
+            for key, value in d.items():
+                if isinstance(value, str):
+                    _text_or_400(value, f"messages[{i}].{key}", "messages")
+            out.append(d)
+        return out
+
+    def _template(self) -> str:
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise APIError(
                 400,
-                f"the model {self.config.model_name!r} has no chat template; use /v1/completions",
+                f"the model {self.config.model_name!r} has no chat template; use /v1/completions "
+                "or start the server with --chat-template FILE",
                 param="messages",
             )
-        messages = [m.template_dict() for m in body.messages]
-        for i, m in enumerate(messages):
-            for key, value in m.items():
-                _text_or_400(value, f"messages[{i}].{key}", "messages")
+        return template
+
+    async def _render(self, body: Any) -> list[int]:
+        """The chat prompt's token ids: the messages through the template, with
+        ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs``
+        (vLLM's), tokenized with ``add_special_tokens`` (default false: the template has
+        them)."""
+        template = self._template()
+        messages = self._messages(body.messages)
+        add_generation = body.add_generation_prompt
+        cont = bool(body.continue_final_message)
+        if cont and add_generation:
+            raise APIError(
+                400, "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )  # fmt: skip
+        if cont and (not messages or messages[-1]["role"] != "assistant"):
+            raise APIError(
+                400, "continue_final_message needs a final assistant message to continue",
+                param="continue_final_message",
+            )  # fmt: skip
+        kwargs = dict(body.chat_template_kwargs or {})
+        taken = {"add_generation_prompt", "continue_final_message", "messages", "tokenize",
+                 "chat_template", "conversation"} & set(kwargs)  # fmt: skip
+        if taken:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {sorted(taken)[0]!r}",
+                param="chat_template_kwargs",
+            )  # fmt: skip
         try:
-            prompt_ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                add_generation_prompt=(not cont) if add_generation is None else add_generation,
+                continue_final_message=cont,
+                tokenize=False,
+                **kwargs,
             )
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise APIError(400, f"the chat template refused the messages: {e}") from e
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
+        add = bool(body.add_special_tokens)
+        return await self._tokenize(text, "the rendered chat prompt", add)
+
+    async def chat(self, http: HTTPRequest, body: ChatBody) -> Any:
+        """``POST /v1/chat/completions``: the messages through the chat template."""
+        check_fields(body, CHAT, strict=self.config.strict_fields)
+        self._generates()
+        prompt_ids = await self._render(body)
         max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-        return await self._generate(http, body, list(prompt_ids), max_tokens, True)
+        return await self._generate(http, body, [prompt_ids], max_tokens, True)
+
+    async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        """``POST /tokenize`` (and ``/v1/tokenize``), vLLM's: a ``prompt``'s token ids, or
+        chat ``messages`` through the template; ``{"count", "max_model_len", "tokens"}``."""
+        check_extras(body, strict=self.config.strict_fields)
+        if body.model is not None:
+            self.adapter_of(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give prompt or messages (one of them)", param="prompt")
+        if body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = await self._tokenize(body.prompt, "prompt", add)
+        else:
+            tokens = await self._render(body)
+        return {"count": len(tokens), "max_model_len": self.engine.max_seq_len, "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        """``POST /detokenize`` (and ``/v1/detokenize``), vLLM's: ``{"prompt": text}``."""
+        check_extras(body, strict=self.config.strict_fields)
+        if body.model is not None:
+            self.adapter_of(body.model)
+        vocab = self.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab}), got {bad[0]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def embeddings(self, body: EmbeddingBody) -> dict[str, Any]:
         """``POST /v1/embeddings``: sentence embeddings of an encoder
@@ -414,10 +563,13 @@ class OpenAIServing:
                 400, f"the model {self.config.model_name!r} does not serve embeddings (an "
                 "encoder does: bert)", param="model",
             )  # fmt: skip
+        check_extras(body, strict=self.config.strict_fields)
         adapter = self.adapter_of(body.model)
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported", param="dimensions")
         rows = await self._embedding_rows(body.input)
+        if body.truncate_prompt_tokens is not None:
+            rows = self._truncate(rows, body.truncate_prompt_tokens)
         try:
             vectors = await self.on_engine(
                 lambda: self.engine.embed([(ids, adapter) for ids in rows])
@@ -434,6 +586,35 @@ class OpenAIServing:
             data.append({"object": "embedding", "index": i, "embedding": vec})
         usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+    def _truncate(self, rows: list[list[int]], k: int) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: each input cut to its last ``k`` tokens
+        (``-1``: ``max_seq_len``), the tokenizer's special tokens at its ends kept (vLLM
+        truncates on the left, then adds them)."""
+        limit = self.engine.max_seq_len
+        if k == -1:
+            k = limit
+        if not 1 <= k <= limit:
+            raise APIError(
+                400, f"truncate_prompt_tokens must be -1 or in [1, {limit}], got {k}",
+                param="truncate_prompt_tokens",
+            )  # fmt: skip
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        out = []
+        for ids in rows:
+            if len(ids) <= k:
+                out.append(ids)
+                continue
+            head = 1 if ids and ids[0] in special else 0
+            tail = 1 if len(ids) > head and ids[-1] in special else 0
+            if head + tail >= k:
+                raise APIError(
+                    400, f"truncate_prompt_tokens {k} leaves no room for text",
+                    param="truncate_prompt_tokens",
+                )  # fmt: skip
+            body = ids[head : len(ids) - tail]
+            out.append(ids[:head] + body[len(body) - (k - head - tail) :] + ids[len(ids) - tail :])
+        return out
 
     async def _embedding_rows(self, raw: Any) -> list[list[int]]:
         """The token ids of each input (a text, texts, token ids, lists of token ids)."""
@@ -464,8 +645,17 @@ class OpenAIServing:
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{id}``: one entry of :meth:`models` (404 for another name)."""
+        for entry in (await self.models())["data"]:
+            if entry["id"] == model_id:
+                return entry
+        self.adapter_of(model_id)  # raises the 404
+        raise AssertionError("unreachable")
+
     def _check_load(self, body: LoadBody) -> None:
         """Refuse a runtime load that is off, unnamed, or outside ``--lora-root``."""
+        check_extras(body, strict=self.config.strict_fields)
         if not self.config.allow_runtime_lora:
             raise APIError(400, "runtime adapter loading is off (start with --allow-runtime-lora)")
         if not self.engine.supports_lora:
@@ -529,6 +719,7 @@ class OpenAIServing:
         queued for it are answered 400."""
         if not self.config.allow_runtime_lora:
             raise APIError(400, "runtime adapter loading is off (start with --allow-runtime-lora)")
+        check_extras(body, strict=self.config.strict_fields)
         name = body.lora_name
         if not await self.on_engine(lambda: self.engine.is_lora(name)):
             raise APIError(400, f"no adapter named {name!r} is loaded", param="lora_name")

@@ -9,7 +9,7 @@ from typing import Any, Literal
 try:  # the "serve" extra
     import fastapi  # noqa: F401
     import prometheus_client  # noqa: F401
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict
 
     HAVE_SERVER_DEPS = True
 except ImportError:  # pragma: no cover - exercised without the extra
@@ -26,11 +26,14 @@ class APIError(Exception):
     """An error answered as OpenAI's error body: ``{"error": {"message", "type", "param",
     "code"}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status)
@@ -41,7 +44,7 @@ class APIError(Exception):
                 "message": self.message,
                 "type": kind,
                 "param": self.param,
-                "code": self.status,
+                "code": self.code if self.code is not None else self.status,
             }
         }
 
@@ -49,82 +52,150 @@ class APIError(Exception):
 # request fields of several accepted forms: a value of none of them is refused with all
 # (pydantic reports the error of one form, e.g. "prompt.str: Input should be a valid string")
 _UNION_FIELDS = {
-    "prompt": "text or a list of token ids",
+    "prompt": "text, a list of token ids, a list of texts or a list of lists of token ids",
     "input": "text, a list of texts, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
+    "content": "text, a list of content parts, or null (an assistant's message only)",
 }
 
 
+def _path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """A location as the body spells it: ``messages[0].content``."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
 def validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
-    """``(message, param)`` for pydantic's first validation error of a body: an unknown
-    field, a field of several forms given none of them (named with all its forms), JSON
-    that does not parse, or the field and pydantic's message."""
-    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    """``(message, param)`` for pydantic's first validation error of a body: a field of
+    several forms given none of them (named with all its forms, wherever it is nested), a
+    body that is not a JSON object, JSON that does not parse, or the field and pydantic's
+    message."""
+    loc = [p for p in error.get("loc", ()) if p != "body"]
     message = error.get("msg", "invalid request")
-    field_name = where.split(".", 1)[0]
-    if field_name in _UNION_FIELDS and where != field_name:  # one branch's error: say all
-        message, where = f"{field_name} must be {_UNION_FIELDS[field_name]}", field_name
-    elif error.get("type") == "extra_forbidden":
-        message = f"unknown field {where!r}"
-    elif error.get("type") == "json_invalid":
-        message, where = "the body is not valid JSON", ""
-    elif where:
+    field_name = str(loc[0]) if loc else ""
+    for i, p in enumerate(loc):
+        if p in _UNION_FIELDS and i + 1 < len(loc) and not isinstance(loc[i + 1], int):
+            return f"{_path(loc[: i + 1])} must be {_UNION_FIELDS[p]}", field_name
+    where = _path(loc)
+    if error.get("type") == "json_invalid":
+        return "the body is not valid JSON", None
+    if not where and error.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the body must be a JSON object, sent with Content-Type: application/json", None
+    if error.get("type") == "missing":
+        return f"{where} is required", field_name
+    if where:
         message = f"{where}: {message}"
-    return message, where or None
+    return message, field_name or None
 
 
 if HAVE_SERVER_DEPS:
 
     class _Body(BaseModel):
-        # unknown fields and loose types ("4" for 4, true for 1) are refused
-        model_config = ConfigDict(extra="forbid", strict=True)
+        # loose types ("4" for 4, true for 1) are refused; unknown fields are kept in
+        # model_extra for the field policy (fields.check_fields) to ignore or refuse
+        model_config = ConfigDict(extra="allow", strict=True)
 
     class StreamOptions(_Body):
         include_usage: bool = False  # OpenAI's default (vLLM's is True once the field is given)
+        continuous_usage_stats: bool = False
+
+    JSON = dict[str, Any]
 
     class _Sampling(_Body):
+        """The fields completions and chat share (fields.FIELDS says what each does)."""
+
         model: str
-        max_tokens: int | None = Field(default=None)
-        temperature: float = 1.0
-        top_p: float = 1.0
-        top_k: int = 0
+        max_tokens: int | None = None
+        temperature: float | None = None
+        top_p: float | None = None
+        top_k: int | None = None
+        min_p: float | None = None
         seed: int | None = None
         stop: str | list[str] | None = None
-        stop_token_ids: list[int] = Field(default_factory=list)
-        ignore_eos: bool = False
-        n: int = 1
-        stream: bool = False
+        stop_token_ids: list[int] | None = None
+        ignore_eos: bool | None = None
+        n: int | None = None
+        stream: bool | None = None
         stream_options: StreamOptions | None = None
-        logprobs: Any = None
         user: str | None = None
+        presence_penalty: float | None = None
+        frequency_penalty: float | None = None
+        repetition_penalty: float | None = None
+        logit_bias: dict[str, float] | None = None
+        min_tokens: int | None = None
+        prompt_logprobs: int | None = None
+        response_format: JSON | None = None
+        use_beam_search: bool | None = None
+        length_penalty: float | None = None
+        include_stop_str_in_output: bool | None = None
+        skip_special_tokens: bool | None = None
+        spaces_between_special_tokens: bool | None = None
+        allowed_token_ids: list[int] | None = None
+        bad_words: list[str] | None = None
+        logits_processors: Any = None
+        truncate_prompt_tokens: int | None = None
+        guided_json: Any = None
+        guided_regex: str | None = None
+        guided_choice: list[str] | None = None
+        guided_grammar: str | None = None
+        guided_decoding_backend: str | None = None
+        guided_whitespace_pattern: str | None = None
+        structural_tag: Any = None
+        priority: int | None = None
+        request_id: str | None = None
+        return_tokens_as_token_ids: bool | None = None
+        cache_salt: str | None = None
+        kv_transfer_params: Any = None
+        vllm_xargs: Any = None
+        add_special_tokens: bool | None = None
 
     class CompletionBody(_Sampling):
-        prompt: str | list[int]
-        echo: bool = False
+        prompt: str | list[int] | list[str] | list[list[int]]
+        logprobs: int | None = None
+        echo: bool | None = None
+        best_of: int | None = None
+        suffix: str | None = None
 
-    class TextPart(_Body):
-        type: Literal["text"]
-        text: str
+    class ContentPart(_Body):
+        type: str
+        text: str | None = None
 
     class ChatMessage(_Body):
-        role: Literal["system", "user", "assistant", "tool", "developer"]
-        content: str | list[TextPart]
+        role: str
+        content: str | list[ContentPart] | None = None
         name: str | None = None
-
-        def template_dict(self) -> dict[str, Any]:
-            """The message as a chat template sees it (text parts joined)."""
-            content = self.content
-            if not isinstance(content, str):
-                content = "".join(part.text for part in content)
-            out: dict[str, Any] = {"role": self.role, "content": content}
-            if self.name is not None:
-                out["name"] = self.name
-            return out
+        tool_calls: list[JSON] | None = None
+        tool_call_id: str | None = None
 
     class ChatBody(_Sampling):
         messages: list[ChatMessage]
+        logprobs: bool | None = None
         top_logprobs: int | None = None
         max_completion_tokens: int | None = None
+        tools: list[JSON] | None = None
+        tool_choice: str | JSON | None = None
+        parallel_tool_calls: bool | None = None
+        functions: Any = None
+        function_call: Any = None
+        store: bool | None = None
+        metadata: dict[str, str] | None = None
+        service_tier: str | None = None
+        modalities: list[str] | None = None
+        audio: Any = None
+        prediction: Any = None
+        reasoning_effort: str | None = None
+        verbosity: str | None = None
+        web_search_options: Any = None
+        prompt_cache_key: str | None = None
+        safety_identifier: str | None = None
+        add_generation_prompt: bool | None = None
+        continue_final_message: bool | None = None
+        chat_template_kwargs: JSON | None = None
+        chat_template: str | None = None
+        documents: Any = None
+        mm_processor_kwargs: Any = None
 
     class LoadBody(_Body):
         lora_name: str
@@ -136,7 +207,23 @@ if HAVE_SERVER_DEPS:
         encoding_format: Literal["float", "base64"] = "float"
         dimensions: int | None = None
         user: str | None = None
+        truncate_prompt_tokens: int | None = None
 
     class UnloadBody(_Body):
         lora_name: str
         lora_int_id: int | None = None
+
+    class TokenizeBody(_Body):
+        """vLLM's ``/tokenize``: a prompt, or chat messages through the template."""
+
+        model: str | None = None
+        prompt: str | None = None
+        messages: list[ChatMessage] | None = None
+        add_special_tokens: bool | None = None
+        add_generation_prompt: bool = True
+        continue_final_message: bool = False
+        chat_template_kwargs: JSON | None = None
+
+    class DetokenizeBody(_Body):
+        model: str | None = None
+        tokens: list[int]

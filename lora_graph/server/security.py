@@ -54,7 +54,9 @@ class Guard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = None
-        if scope["path"] != "/health":
+        if scope["path"] != "/health" and (
+            scope["path"] != "/metrics" or self.config.api_key_metrics
+        ):
             error = key_error(headers.get("authorization", ""), self.config.api_key)
         length = headers.get("content-length", "")
         limit = self.config.max_request_bytes

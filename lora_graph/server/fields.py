@@ -1,0 +1,236 @@
+"""The request-field policy, written once: every field of OpenAI's completions and
+chat-completions requests and vLLM's extra fields, each with what this server does with it
+(:data:`FIELDS`), and :func:`check_fields`, which applies it to a parsed body.
+
+Kinds:
+
+- ``served``: the field does what OpenAI's (or vLLM's) documentation says.
+- ``ignored``: metadata that changes nothing in the output (``user``, ``metadata``); any
+  well-typed value is accepted.
+- ``no-op only``: accepted at the values listed (what the field does when left out);
+  another value is a 400 naming the field and why.
+- ``refused``: any value but null is a 400 naming the field and why.
+
+A field in no table is ignored with one logged warning per field name, as vLLM does (so a
+client built for another server still runs); ``--strict-fields`` (``ServerConfig.
+strict_fields``) answers 400 ``unknown field`` instead. Types stay strict either way (a
+declared field of the wrong type is a 400)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lora_graph.server.protocol import APIError
+
+SERVED, IGNORED, NOOP, REFUSED = "served", "ignored", "no-op only", "refused"
+COMPLETIONS, CHAT = "completions", "chat"
+BOTH = frozenset({COMPLETIONS, CHAT})
+
+log = logging.getLogger("lora_graph.server")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the server does with one request field.
+
+    Attributes:
+        kind: ``served``, ``ignored``, ``no-op only`` or ``refused`` (module docstring).
+        doc: what it does here (or why it is refused), one line of the README's table.
+        endpoints: the routes whose body has it (``completions``, ``chat``).
+        noop: for ``no-op only``, the accepted values.
+        vllm: where this differs from vLLM (empty: it does not).
+    """
+
+    kind: str
+    doc: str
+    endpoints: frozenset[str] = BOTH
+    noop: tuple[Any, ...] = ()
+    vllm: str = ""
+
+
+def _c(kind: str, doc: str, **kw: Any) -> Rule:
+    return Rule(kind, doc, frozenset({COMPLETIONS}), **kw)
+
+
+def _h(kind: str, doc: str, **kw: Any) -> Rule:
+    return Rule(kind, doc, frozenset({CHAT}), **kw)
+
+
+_NO_GRAMMAR = "structured output is not served yet"
+_NO_TOOLS = "tool calling is not served yet"
+
+#: Every known request field of completions and chat, by name (OpenAI's, then vLLM's).
+FIELDS: dict[str, Rule] = {
+    # ---- OpenAI, both routes ---------------------------------------------------------
+    "model": Rule(SERVED, "the base model's served name, or a loaded adapter's (else 404)"),
+    "max_tokens": Rule(
+        SERVED,
+        "tokens to generate at most; left out: 16 on completions (OpenAI's default, "
+        "`--default-max-tokens`), up to the context on chat",
+    ),
+    "temperature": Rule(SERVED, "0 is greedy; below 0.01 (but not 0) refused as unstable"),
+    "top_p": Rule(SERVED, "nucleus sampling, in (0, 1]"),
+    "n": Rule(SERVED, "choices per prompt, 1-16; choice i draws with seed + i"),
+    "seed": Rule(SERVED, "seeds the request's own generator: the same seed, the same text"),
+    "stop": Rule(SERVED, "up to 4 strings; the text is cut before the first one"),
+    "stream": Rule(SERVED, "server-sent events, OpenAI's chunk objects, then `[DONE]`"),
+    "stream_options": Rule(SERVED, "`include_usage`: a last chunk with the usage and no choices"),
+    "user": Rule(IGNORED, "an end-user id for the caller's own records"),
+    "logprobs": Rule(REFUSED, "log-probabilities are not served yet"),
+    "presence_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
+    "frequency_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
+    "logit_bias": Rule(NOOP, "logit bias is not served yet", noop=({},)),
+    # ---- OpenAI, completions ---------------------------------------------------------
+    "prompt": _c(SERVED, "text, token ids, or a list of either (one choice set each)"),
+    "echo": _c(NOOP, "echo is not served yet", noop=(False,)),
+    "best_of": _c(NOOP, "best_of is not served yet", noop=(1,)),
+    "suffix": _c(NOOP, "insertion needs a fill-in-the-middle model", noop=("",)),
+    # ---- OpenAI, chat ----------------------------------------------------------------
+    "messages": _h(SERVED, "through the model's chat template (or `--chat-template`)"),
+    "max_completion_tokens": _h(SERVED, "as `max_tokens` (which wins if both are given)"),
+    "top_logprobs": _h(REFUSED, "log-probabilities are not served yet"),
+    "response_format": Rule(NOOP, _NO_GRAMMAR, noop=({"type": "text"},)),
+    "tools": _h(NOOP, _NO_TOOLS, noop=([],)),
+    "tool_choice": _h(NOOP, _NO_TOOLS, noop=("none",)),
+    "parallel_tool_calls": _h(IGNORED, "meaningful only with tools"),
+    "functions": _h(REFUSED, "deprecated by OpenAI for `tools`; not served"),
+    "function_call": _h(REFUSED, "deprecated by OpenAI for `tool_choice`; not served"),
+    "store": _h(NOOP, "nothing is stored for distillation or evals here", noop=(False,)),
+    "metadata": _h(IGNORED, "tags for stored completions (nothing is stored)"),
+    "service_tier": _h(NOOP, "one tier here", noop=("auto", "default")),
+    "modalities": _h(NOOP, "text only", noop=(["text"],)),
+    "audio": _h(REFUSED, "text only: no audio output"),
+    "prediction": _h(REFUSED, "predicted outputs (speculative decoding) are not served"),
+    "reasoning_effort": _h(REFUSED, "for reasoning models, which this server does not tune"),
+    "verbosity": _h(REFUSED, "for reasoning models, which this server does not tune"),
+    "web_search_options": _h(REFUSED, "no web search here"),
+    "prompt_cache_key": _h(IGNORED, "a routing hint for OpenAI's prompt cache"),
+    "safety_identifier": _h(IGNORED, "an end-user id for the caller's own records"),
+    # ---- vLLM's extra sampling fields ------------------------------------------------
+    "top_k": Rule(SERVED, "keep the k most likely tokens (0 or -1: all)"),
+    "stop_token_ids": Rule(SERVED, "tokens that end the choice (kept in its tokens)"),
+    "ignore_eos": Rule(SERVED, "generate past EOS"),
+    "min_p": Rule(NOOP, "min_p is not served yet", noop=(0,)),
+    "repetition_penalty": Rule(NOOP, "penalties are not served yet", noop=(1,)),
+    "min_tokens": Rule(NOOP, "min_tokens is not served yet", noop=(0,)),
+    "prompt_logprobs": Rule(REFUSED, "log-probabilities are not served yet"),
+    "use_beam_search": Rule(NOOP, "beam search is not served", noop=(False,)),
+    "length_penalty": Rule(NOOP, "only for beam search, which is not served", noop=(1,)),
+    "include_stop_str_in_output": Rule(NOOP, "stop strings are always cut", noop=(False,)),
+    "skip_special_tokens": Rule(NOOP, "special tokens are always skipped", noop=(True,)),
+    "spaces_between_special_tokens": Rule(NOOP, "the tokenizer's decoding", noop=(True,)),
+    "allowed_token_ids": Rule(REFUSED, "not served yet"),
+    "bad_words": Rule(REFUSED, "not served yet"),
+    "logits_processors": Rule(REFUSED, "no code from requests is run"),
+    "truncate_prompt_tokens": Rule(REFUSED, "not served for generation (embeddings: served)"),
+    "guided_json": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_regex": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_choice": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_grammar": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_decoding_backend": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_whitespace_pattern": Rule(REFUSED, _NO_GRAMMAR),
+    "structural_tag": Rule(REFUSED, _NO_GRAMMAR),
+    "priority": Rule(NOOP, "first come, first served", noop=(0,)),
+    "request_id": Rule(IGNORED, "responses carry the server's own ids", vllm="vLLM uses it"),
+    "return_tokens_as_token_ids": Rule(NOOP, "tokens are returned as text", noop=(False,)),
+    "cache_salt": Rule(IGNORED, "no prefix cache yet: nothing to salt"),
+    "kv_transfer_params": Rule(REFUSED, "no disaggregated prefill here"),
+    "vllm_xargs": Rule(REFUSED, "no custom extensions here"),
+    "add_special_tokens": Rule(
+        SERVED,
+        "the tokenizer's special tokens (BOS) around the prompt; default: true on "
+        "completions, false on chat (the template has them)",
+    ),
+    # ---- vLLM's extra chat fields ----------------------------------------------------
+    "add_generation_prompt": _h(
+        SERVED, "end the prompt with the template's assistant turn (default: true)"
+    ),
+    "continue_final_message": _h(
+        SERVED, "render the last (assistant) message open, for the model to continue it"
+    ),
+    "chat_template_kwargs": _h(SERVED, "extra variables for the template (e.g. `enable_thinking`)"),
+    "chat_template": _h(
+        REFUSED,
+        "a template from a request is not run; start the server with `--chat-template`",
+        vllm="vLLM too, unless `--trust-request-chat-template`",
+    ),
+    "documents": _h(REFUSED, "not served"),
+    "mm_processor_kwargs": _h(REFUSED, "text only"),
+}
+
+_warned: set[str] = set()
+
+
+def check_extras(body: Any, *, strict: bool) -> None:
+    """Refuse (``strict``) or log once and ignore the fields of ``body`` its model does
+    not declare.
+
+    Raises:
+        APIError: 400 ``unknown field`` under ``strict``.
+    """
+    for name in getattr(body, "model_extra", None) or {}:
+        if strict:
+            raise APIError(400, f"unknown field {name!r}", param=name)
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("ignoring the unknown request field %r (and from now on)", name)
+
+
+def check_fields(body: Any, endpoint: str, *, strict: bool) -> None:
+    """Apply :data:`FIELDS` to a parsed body of ``endpoint`` (``completions`` or
+    ``chat``): a no-op-only field at another value, or a refused field given, is refused;
+    an unknown field (a field of no table, or of the other route's table) is refused under
+    ``strict``, else logged once per name and ignored.
+
+    Raises:
+        APIError: 400 naming the field and why.
+    """
+    check_extras(body, strict=strict)
+    for name in type(body).model_fields:
+        rule = FIELDS.get(name)
+        value = getattr(body, name)
+        if rule is None or value is None:
+            continue
+        if rule.kind == REFUSED:
+            raise APIError(400, f"{name} is not supported: {rule.doc}", param=name)
+        if rule.kind == NOOP and not any(_same(value, v) for v in rule.noop):
+            accepted = " or ".join(_json(v) for v in rule.noop) or "its default"
+            raise APIError(
+                400,
+                f"{name} {_json(value)} is not supported ({rule.doc}); only {accepted} is",
+                param=name,
+            )
+
+
+def _same(value: Any, noop: Any) -> bool:
+    """``value == noop`` as JSON sees it (``True`` is not ``1``)."""
+    numbers = (int, float)
+    comparable = type(value) is type(noop) or (
+        isinstance(value, numbers)
+        and isinstance(noop, numbers)
+        and not isinstance(value, bool)
+        and not isinstance(noop, bool)
+    )
+    return comparable and value == noop
+
+
+def _json(value: Any) -> str:
+    import json
+
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def markdown_table() -> str:
+    """The README's field table (a test keeps the README equal to it)."""
+    rows = ["| field | route | here | notes |", "|---|---|---|---|"]
+    for name, rule in FIELDS.items():
+        route = "both" if rule.endpoints == BOTH else next(iter(rule.endpoints))
+        kind = rule.kind
+        if rule.kind == NOOP and rule.noop:
+            kind += " (" + ", ".join(dict.fromkeys(_json(v) for v in rule.noop)) + ")"
+        doc = rule.doc + (f"; vLLM: {rule.vllm}" if rule.vllm else "")
+        rows.append(f"| `{name}` | {route} | {kind} | {doc} |")
+    return "\n".join(rows)

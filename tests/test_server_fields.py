@@ -1,0 +1,289 @@
+"""What clients built for OpenAI and vLLM send (``lora_graph/server/fields.py``): the
+field policy, the request bodies of SGLang's and vLLM's benchmark clients, list prompts,
+chat-template controls, the defaults clients assume, and vLLM's extra routes. The server
+runs in-process (Starlette's test client, which the ``openai`` SDK also drives); every
+served token is checked against the offline engine's greedy output."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from lora_graph import server as S  # noqa: E402
+from lora_graph.engine import Request, SamplingParams  # noqa: E402
+from lora_graph.launch import build_engine  # noqa: E402
+from lora_graph.server.fields import FIELDS, markdown_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "examples" / "assets"
+MODEL = "demo"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if shout %}LOUD {% endif %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Server:
+    def __init__(self) -> None:
+        self.engine, self.tokenizer = build_engine(
+            str(ASSETS / "base"), [f"pirate={ASSETS / 'adapters' / 'pirate'}"], max_loras=2,
+            max_lora_rank=64, dtype="float32", device="cpu", max_batch_size=8,
+            max_seq_len=None, max_num_batched_tokens=64, progress=False,
+        )  # fmt: skip
+        self.config = S.ServerConfig(model_name=MODEL, chat_template=TEMPLATE)
+        self._n = 0
+
+    def greedy(self, ids: list[int], adapter: str | None, n: int, **kw) -> list[int]:
+        """The offline engine's greedy tokens (before the server owns the engine)."""
+        self._n += 1
+        req = Request(f"ref{self._n}", list(ids), adapter, SamplingParams(n, **kw))
+        out = self.engine.generate([req])[0]
+        assert out.error is None, out.error
+        return out.token_ids
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict], **kw) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=TEMPLATE, tokenize=False, **kw
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Server()
+    prompts = ["Once upon a time", "The little dog"]
+    s.ids = [s.tokenizer(p)["input_ids"] for p in prompts]
+    s.prompts = prompts
+    s.refs = {(i, a): s.greedy(s.ids[i], a, 6) for i in range(2) for a in (None, "pirate")}
+    hello = [{"role": "user", "content": "Hello"}]
+    s.chat_ref = s.greedy(s.chat_ids(hello, add_generation_prompt=True), "pirate", 6)
+    s.loud_ref = s.greedy(s.chat_ids(hello, add_generation_prompt=True, shout=True), None, 6)
+    partial = [*hello, {"role": "assistant", "content": "Ahoy"}]
+    s.continue_ref = s.greedy(s.chat_ids(partial, continue_final_message=True), None, 6)
+    s.context_ids = s.chat_ids(hello, add_generation_prompt=True)
+    app = S.create_app(s.engine, s.tokenizer, s.config)
+    with TestClient(app) as http:
+        s.http = http
+        yield s
+
+
+def post(srv, route: str, body: dict, status: int = 200) -> dict:
+    r = srv.http.post(route, json=body)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def client(srv):
+    return openai.OpenAI(base_url=str(srv.http.base_url) + "/v1", api_key="unused",
+                         http_client=srv.http, max_retries=0)  # fmt: skip
+
+
+# ---- the field policy ----------------------------------------------------------------
+def test_benchmark_clients_bodies_are_served(srv):
+    """SGLang's bench_serving sends ``best_of: 1`` with every completion; recent ``vllm
+    bench serve`` sends ``repetition_penalty: 1.0`` and vLLM's other no-op defaults; both
+    answered 400 before. Each body below is what that client sends."""
+    sglang = {"model": MODEL, "prompt": srv.prompts[0], "temperature": 0.0, "best_of": 1,
+              "max_tokens": 6, "stream": False, "ignore_eos": False}  # fmt: skip
+    vllm = {"model": "pirate", "prompt": srv.prompts[0], "temperature": 0.0,
+            "repetition_penalty": 1.0, "max_tokens": 6, "logprobs": None, "stream": True,
+            "stream_options": {"include_usage": True}, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+            "ignore_eos": False}  # fmt: skip
+    out = post(srv, "/v1/completions", sglang)
+    assert out["choices"][0]["text"] == srv.text(srv.refs[(0, None)])
+    r = srv.http.post("/v1/completions", json=vllm)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert chunks[-1]["usage"]["completion_tokens"] == len(srv.refs[(0, "pirate")])
+    assert text == srv.text(srv.refs[(0, "pirate")])
+
+
+def test_unknown_fields_are_ignored_once_logged_or_refused_when_strict(srv, caplog):
+    body = {"model": MODEL, "prompt": srv.prompts[1], "max_tokens": 6, "temperature": 0,
+            "frobnicate": {"x": 1}}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lora_graph.server"):
+        for _ in range(2):
+            out = post(srv, "/v1/completions", body)
+            assert out["choices"][0]["text"] == srv.text(srv.refs[(1, None)])
+    assert sum("frobnicate" in r.getMessage() for r in caplog.records) <= 1
+    srv.config.strict_fields = True
+    try:
+        err = post(srv, "/v1/completions", body, 400)["error"]
+        assert err["message"] == "unknown field 'frobnicate'" and err["param"] == "frobnicate"
+    finally:
+        srv.config.strict_fields = False
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"best_of": 3}, "best_of 3 is not supported (best_of is not served yet); only 1 is"),
+        ({"suffix": "x"}, 'suffix "x" is not supported'),
+        ({"guided_json": {}}, "guided_json is not supported: structured output"),
+        ({"logits_processors": ["x"]}, "logits_processors is not supported"),
+        ({"use_beam_search": True}, "use_beam_search true is not supported"),
+        ({"priority": 1}, "priority 1 is not supported"),
+        ({"top_k": "4"}, "top_k: Input should be a valid integer"),  # types stay strict
+        ({"repetition_penalty": True}, "repetition_penalty"),
+    ],
+)
+def test_fields_at_other_than_their_no_op_value_are_refused_by_name(srv, extra, message):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra}
+    err = post(srv, "/v1/completions", body, 400)["error"]
+    assert message in err["message"] and err["param"] == next(iter(extra)), err
+
+
+def test_chat_only_fields_refused_by_name(srv):
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra, message in [
+        ({"audio": {"voice": "x"}}, "audio is not supported: text only"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"chat_template": "{{ x }}"}, "--chat-template"),
+        ({"store": True}, "store true is not supported"),
+    ]:
+        err = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": msgs, **extra}, 400)
+        assert message in err["error"]["message"], (extra, err)
+    # their no-op values are served
+    body = {"model": "pirate", "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 6, "temperature": 0, "tools": [], "tool_choice": "none",
+            "store": False, "metadata": {"a": "b"}, "user": "u1", "service_tier": "auto",
+            "response_format": {"type": "text"}, "parallel_tool_calls": True}  # fmt: skip
+    out = post(srv, "/v1/chat/completions", body)
+    assert out["choices"][0]["message"]["content"] == srv.text(srv.chat_ref)
+
+
+def test_every_declared_field_has_a_rule_and_the_readme_shows_the_table():
+    bodies = (S.protocol.CompletionBody, S.protocol.ChatBody)
+    declared = set().union(*(b.model_fields for b in bodies))
+    assert declared == set(FIELDS)
+    assert markdown_table() in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# ---- what clients assume -------------------------------------------------------------
+def test_unknown_model_is_404_model_not_found(srv):
+    with pytest.raises(openai.NotFoundError) as e:
+        client(srv).completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'nope' does not exist" in str(e.value)
+    r = srv.http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert client(srv).models.retrieve("pirate").parent == MODEL
+    assert srv.http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "user", "content": None}], "messages[0].content is missing or null"),
+        ([{"role": "user"}], "messages[0].content is missing or null"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0] is a 'image_url' part; this model takes text parts only",
+        ),
+        ([{"role": "user", "content": 5}], "messages[0].content must be text, a list of"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role 'robot' is not one of"),
+        ([], None),  # (an empty conversation is the template's to refuse or render)
+    ],
+)
+def test_messages_refused_in_words(srv, messages, message):
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    if message is None:
+        srv.http.post("/v1/chat/completions", json=body)  # no crash either way
+        return
+    err = post(srv, "/v1/chat/completions", body, 400)["error"]
+    assert message in err["message"], err
+    assert "Input should be" not in err["message"]
+
+
+def test_a_body_that_is_not_a_json_object_is_named(srv):
+    r = srv.http.post("/v1/completions", content=b"model=demo&prompt=hi",
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "the body must be a JSON object, sent with Content-Type: application/json"
+    )
+    r = srv.http.post("/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+
+
+def test_a_list_of_prompts_gets_a_choice_set_each(srv):
+    """OpenAI's ``prompt`` as a list: choices ``p * n + i`` in order, each equal to the
+    prompt served alone; texts and token lists alike."""
+    for prompt in (srv.prompts, srv.ids):
+        body = {"model": "pirate", "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2}
+        out = post(srv, "/v1/completions", body)
+        texts = [c["text"] for c in out["choices"]]
+        want = [srv.text(srv.refs[(i, "pirate")]) for i in (0, 0, 1, 1)]
+        assert texts == want and [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+        assert out["usage"]["prompt_tokens"] == sum(map(len, srv.ids))
+        assert out["usage"]["completion_tokens"] == 2 * sum(
+            len(srv.refs[(i, "pirate")]) for i in (0, 1)
+        )
+    body = json.dumps({"model": MODEL, "prompt": ["ok", "a\ud800"]}).encode()
+    r = srv.http.post("/v1/completions", content=body,
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "prompt[1] is not valid Unicode text" in r.text
+
+
+def test_chat_without_max_tokens_runs_to_the_context(srv):
+    """OpenAI and vLLM: a chat without ``max_tokens`` may use the rest of the context
+    (completions keep OpenAI's 16); the default ``max_seq_len`` is the model's context."""
+    assert srv.engine.max_seq_len == 512  # the demo model's max_position_embeddings
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}],
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    out = post(srv, "/v1/chat/completions", body)
+    assert out["usage"]["completion_tokens"] == 512 - len(srv.context_ids)
+    assert out["choices"][0]["finish_reason"] == "length"
+    out = post(srv, "/v1/completions", {"model": MODEL, "prompt": "hi", "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 16
+
+
+def test_chat_template_controls(srv):
+    """vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and
+    ``continue_final_message``, through the ``--chat-template`` template."""
+    hello = [{"role": "user", "content": "Hello"}]
+    body = {"model": MODEL, "messages": hello, "max_tokens": 6, "temperature": 0,
+            "chat_template_kwargs": {"shout": True}}  # fmt: skip
+    out = post(srv, "/v1/chat/completions", body)
+    assert out["choices"][0]["message"]["content"] == srv.text(srv.loud_ref)
+    partial = [*hello, {"role": "assistant", "content": "Ahoy"}]
+    body = {"model": MODEL, "messages": partial, "max_tokens": 6, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False}  # fmt: skip
+    out = post(srv, "/v1/chat/completions", body)
+    assert out["choices"][0]["message"]["content"] == srv.text(srv.continue_ref)
+    body["add_generation_prompt"] = True
+    err = post(srv, "/v1/chat/completions", body, 400)["error"]
+    assert "cannot both be true" in err["message"]
+    body = {"model": MODEL, "messages": hello, "chat_template_kwargs": {"tokenize": True}}
+    assert "may not set 'tokenize'" in post(srv, "/v1/chat/completions", body, 400)["error"][
+        "message"]  # fmt: skip
+
+
+def test_tokenize_detokenize_version_and_open_metrics(srv):
+    out = post(srv, "/v1/tokenize", {"model": MODEL, "prompt": srv.prompts[0]})
+    assert out == {"count": len(srv.ids[0]), "max_model_len": 512, "tokens": srv.ids[0]}
+    hello = [{"role": "user", "content": "Hello"}]
+    out = post(srv, "/tokenize", {"messages": hello})
+    assert out["tokens"] == srv.context_ids
+    out = post(srv, "/v1/detokenize", {"tokens": srv.ids[1]})
+    assert out["prompt"] == srv.tokenizer.decode(srv.ids[1])
+    assert "tokens must be in [0, " in post(srv, "/detokenize", {"tokens": [-1]}, 400)[
+        "error"]["message"]  # fmt: skip
+    assert post(srv, "/v1/tokenize", {"model": "nope", "prompt": "x"}, 404)
+    assert srv.http.get("/version").json()["version"]
+    srv.config.api_key = "k"
+    try:
+        assert srv.http.get("/metrics").status_code == 200
+        assert srv.http.get("/v1/models").status_code == 401
+    finally:
+        srv.config.api_key = None
