@@ -26,14 +26,16 @@ from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.paging import PagePool
 from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
 from lora_graph.requests import (
+    MAX_LOGPROBS,
     MIN_TEMPERATURE,
     Request,
     RequestOutput,
     RequestState,
     SamplingParams,
+    TokenLogprob,
     check_text,
 )
-from lora_graph.sampling import sample
+from lora_graph.sampling import pack_logprobs, sample, token_logprob, unpack_logprob
 from lora_graph.scheduler import Scheduler
 from lora_graph.step import SeqChunk
 
@@ -43,6 +45,7 @@ __all__ = [
     "Request",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprob",
     "check_text",
     "default_async_scheduling",
     "sample",
@@ -55,7 +58,9 @@ class _InFlight:
     ``rows[j]`` is the logits row of ``seqs[j]``; ``device`` holds ``[2, S]`` (NaN flag,
     greedy token) per row on the step's device, ``host`` its copy, complete once ``done``
     (a CUDA event; None on the CPU) has passed; ``hot`` the float32 logits of the rows that
-    sample at a temperature (read at once)."""
+    sample at a temperature (read at once); ``logprobs`` the greedy rows' packed
+    log-probabilities on the host (:func:`pack_logprobs` with ``logprobs_k`` top tokens),
+    row ``logprob_rows[row]`` for logits row ``row``."""
 
     seqs: list[RequestState]
     rows: list[int]
@@ -63,6 +68,9 @@ class _InFlight:
     host: Tensor
     done: torch.cuda.Event | None
     hot: dict[int, Tensor]
+    logprobs: Tensor | None = None
+    logprob_rows: dict[int, int] | None = None
+    logprobs_k: int = 0
 
 
 def default_async_scheduling(device: torch.device) -> bool:
@@ -142,6 +150,19 @@ class LLMEngine:
             torch.zeros(2 * pipeline.max_batch_size, dtype=torch.int64, pin_memory=pin)
             for _ in range(2)
         ]
+        # and the greedy rows' packed log-probabilities, for the requests that ask
+        self._logprob_readback = [
+            torch.zeros(
+                pipeline.max_batch_size * (2 + 2 * MAX_LOGPROBS),
+                dtype=torch.float32,
+                pin_memory=pin,
+            )
+            for _ in range(2)
+        ]
+        #: the log-probabilities of the tokens the last :meth:`step` returned, one each
+        #: (None for a request that did not ask)
+        self.step_logprobs: list[TokenLogprob | None] = []
+        self._new_logprobs: list[TokenLogprob | None] = []
         self._steps_run = 0
 
     @property
@@ -338,6 +359,7 @@ class LLMEngine:
     ) -> RequestOutput:
         """The output of a request leaving with finish ``reason`` or ``error``: the tokens
         it generated and its timings."""
+        s = seq.request.sampling
         return RequestOutput(
             seq.request.id,
             seq.request.adapter,
@@ -346,6 +368,8 @@ class LLMEngine:
             error,
             arrival_time=seq.arrival,
             token_times=list(seq.token_times),
+            logprobs=list(seq.logprobs) if s.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if s.prompt_logprobs is not None else None,
         )
 
     def _finish(self, seq: RequestState, output: RequestOutput) -> None:
@@ -402,6 +426,7 @@ class LLMEngine:
         if current is not None and (current.hot or not self.async_scheduling):
             self._drain()
         out, self._new_tokens = self._new_tokens, []
+        self.step_logprobs, self._new_logprobs = self._new_logprobs, []
         return out
 
     def _drain(self) -> None:
@@ -433,10 +458,22 @@ class LLMEngine:
             if len(tokens) < n:  # a decode whose input the previous step sampled
                 row, tokens = fed[id(s)], [0]
             chunks.append(SeqChunk(s.adapter, tokens, s.computed, s.pages, s, row))
+        # a step computing a prompt whose logprobs are asked returns every token's logits
+        prompt_lp = any(
+            c.owner.request.sampling.prompt_logprobs is not None
+            and c.start + 1 < len(c.owner.request.prompt_token_ids)
+            for c in chunks
+        )
         inputs = self.pipeline.prepare(
-            chunks, fed_tokens=previous.device[1] if previous is not None else None
+            chunks,
+            fed_tokens=previous.device[1] if previous is not None else None,
+            all_logits=prompt_lp,
         )
         logits = self.pipeline.execute(inputs)
+        if inputs.all_logits:
+            every = logits
+            ends = torch.tensor([len(c.token_ids) for c in inputs.chunks]).cumsum(0) - 1
+            logits = every[ends.to(every.device)]
         # requests whose tokens are all computed sample their next one: on the device, the
         # NaN check and the greedy token of every row, copied to the host without waiting
         rows = [
@@ -450,20 +487,71 @@ class LLMEngine:
             (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
         )
         host = self._readback[self._steps_run % 2][: 2 * width].view(2, width)
-        self._steps_run += 1
         host.copy_(device, non_blocking=host.is_pinned())
-        done = None
-        if host.is_pinned():
-            done = torch.cuda.Event()
-            done.record()
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
                if s.request.sampling.temperature > 0}  # fmt: skip
+        step = _InFlight(seqs, rows, device, host, None, hot)
+        self._queue_logprobs(step, logits)
+        if host.is_pinned():
+            step.done = torch.cuda.Event()
+            step.done.record()
+        self._steps_run += 1
+        if inputs.all_logits:
+            self._prompt_logprobs(inputs.chunks, every)
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
             c.owner.computed += len(c.token_ids)
         for s in seqs:
             s.pending += 1
-        return _InFlight(seqs, rows, device, host, done, hot)
+        return step
+
+    def _queue_logprobs(self, step: _InFlight, logits: Tensor) -> None:
+        """Pack the log-probabilities of the greedy rows whose requests ask for them, and
+        queue their copy to the host (a row sampled at a temperature gets them from its
+        logits on the host, at read-back)."""
+        want = [
+            (row, k)
+            for row, s in zip(step.rows, step.seqs, strict=True)
+            if (k := s.request.sampling.logprobs) is not None and row not in step.hot
+        ]
+        if not want:
+            return
+        k = max(k for _, k in want)
+        index = torch.tensor([row for row, _ in want], device=logits.device)
+        packed = pack_logprobs(logits[index], step.device[1][index], k)
+        buffer = self._logprob_readback[self._steps_run % 2][: packed.numel()]
+        host = buffer.view(packed.shape)
+        host.copy_(packed, non_blocking=host.is_pinned())
+        step.logprobs, step.logprobs_k = host, k
+        step.logprob_rows = {row: j for j, (row, _) in enumerate(want)}
+
+    def _prompt_logprobs(self, chunks: list[SeqChunk], every: Tensor) -> None:
+        """Record the prompt-token log-probabilities a step computed (``every``: float32
+        ``[T, vocab]``, the logits of each token of the step): the token at position
+        ``p + 1`` of a prompt under the logits at ``p``. A prompt computed again after a
+        preemption writes the same values again."""
+        rows, targets, owners = [], [], []
+        offset = 0
+        for c in chunks:
+            seq = c.owner
+            k = seq.request.sampling.prompt_logprobs
+            prompt = seq.request.prompt_token_ids
+            if k is not None:
+                if len(seq.prompt_logprobs) != len(prompt):
+                    seq.prompt_logprobs = [None] * len(prompt)
+                for p in range(c.start, min(c.start + len(c.token_ids), len(prompt) - 1)):
+                    rows.append(offset + p - c.start)
+                    targets.append(prompt[p + 1])
+                    owners.append((seq, p + 1, k))
+            offset += len(c.token_ids)
+        if not rows:
+            return
+        width = max(k for _, _, k in owners)
+        index = torch.tensor(rows, device=every.device)
+        packed = pack_logprobs(every[index], torch.tensor(targets, device=every.device), width)
+        for values, token, (seq, position, k) in zip(packed.tolist(), targets, owners,
+                                                     strict=True):  # fmt: skip
+            seq.prompt_logprobs[position] = unpack_logprob(values, token, k, width)
 
     def _read_back(self, step: _InFlight) -> None:
         """Read a queued step's sampled tokens (waiting for the device if it has not got
@@ -487,15 +575,31 @@ class LLMEngine:
                 if row not in step.hot
                 else sample(step.hot[row], seq.request.sampling, seq.generator)
             )
+            logprob = self._logprob_of(step, row, token, seq.request.sampling.logprobs)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             self.tokens_generated += 1
             seq.tokens.append(token)
             seq.generated.append(token)
             seq.token_times.append(now)
             self._new_tokens.append((seq.request.id, token))
+            self._new_logprobs.append(logprob)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._leave(seq)
                 self._finish(seq, self._output(seq, reason=reason))
+
+    @staticmethod
+    def _logprob_of(step: _InFlight, row: int, token: int, k: int | None) -> TokenLogprob | None:
+        """The sampled ``token``'s log-probability at logits ``row`` of ``step`` (None if
+        its request did not ask)."""
+        if k is None:
+            return None
+        if row in step.hot:
+            return token_logprob(step.hot[row], token, k)
+        assert step.logprobs is not None and step.logprob_rows is not None
+        packed = step.logprobs[step.logprob_rows[row]].tolist()
+        return unpack_logprob(packed, token, k, step.logprobs_k)
 
     def _leave(self, seq: RequestState) -> None:
         """Take a request out of its queue (running, or waiting after a preemption)."""

@@ -23,6 +23,15 @@ class SamplingParams:
         seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
         stop_token_ids: tokens that end the request (kept in the output), besides EOS.
         ignore_eos: keep generating past EOS.
+        logprobs: None, or return each generated token's log-probability and the ``k``
+            most likely tokens' (``0 <= k <= 20``), as :class:`TokenLogprob`: the
+            log-softmax of the logits the token was drawn from (after the request's
+            adapter, before temperature, top-k/top-p and any logits processing; vLLM's
+            default, ``raw_logprobs``).
+        prompt_logprobs: None, or the same for every prompt token (the first has none): the
+            log-softmax at the position before it. The steps that compute such a
+            request's prompt return every token's logits (an eager step, whatever its
+            width); other steps are unchanged.
     """
 
     max_new_tokens: int = 32
@@ -32,6 +41,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Refuse any value that could make the sampling distribution invalid, so that
@@ -63,7 +74,16 @@ class SamplingParams:
             map(is_int, self.stop_token_ids)
         ):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r}"
+                )
 
+
+# the most top log-probabilities a token may ask for (OpenAI's completions limit)
+MAX_LOGPROBS = 20
 
 # below it, logits / temperature overflows float32 for ordinary logits (vLLM clamps here)
 MIN_TEMPERATURE = 1e-2
@@ -82,6 +102,24 @@ def check_text(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{what} is not valid Unicode text ({e.reason} at {e.start})") from None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the most likely tokens' at its position.
+
+    Attributes:
+        token: the token id.
+        logprob: its natural-log probability (float32 log-softmax, as a Python float).
+        rank: 1 for the most likely token; 1 + the number of tokens more likely.
+        top: the ``k`` most likely ``(token id, logprob)``, most likely first (the token
+            itself among them only if it is one of them).
+    """
+
+    token: int
+    logprob: float
+    rank: int = 1
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -109,6 +147,8 @@ class RequestOutput:
     error: str | None = None
     arrival_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one a generated token, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token, if asked
 
     @property
     def ttft(self) -> float | None:
@@ -136,6 +176,8 @@ class RequestState:
     bypassed: int = 0  # later requests admitted while it waited for a slot
     pending: int = 0  # tokens sampled on the device that the host has not read yet
     done: bool = False  # finished (a step still in flight skips it)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if its sampling asks
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position
 
     @property
     def known(self) -> int:
