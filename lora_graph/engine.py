@@ -163,6 +163,10 @@ class LLMEngine:
         #: (None for a request that did not ask)
         self.step_logprobs: list[TokenLogprob | None] = []
         self._new_logprobs: list[TokenLogprob | None] = []
+        #: the prompt logprobs of the requests whose first token the last :meth:`step`
+        #: returned, by request id (those that asked only)
+        self.step_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self._new_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._steps_run = 0
 
     @property
@@ -312,6 +316,8 @@ class LLMEngine:
             )
         seq = RequestState(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
+        if s.prompt_logprobs is not None:  # (the first token's stays None)
+            seq.prompt_logprobs = [None] * len(request.prompt_token_ids)
         if request.adapter is not None:
             # bound now to the version its name stands for: a reload before it runs does
             # not change what serves it, an unload refuses it
@@ -427,6 +433,7 @@ class LLMEngine:
             self._drain()
         out, self._new_tokens = self._new_tokens, []
         self.step_logprobs, self._new_logprobs = self._new_logprobs, []
+        self.step_prompt_logprobs, self._new_prompt_logprobs = self._new_prompt_logprobs, {}
         return out
 
     def _drain(self) -> None:
@@ -537,8 +544,6 @@ class LLMEngine:
             k = seq.request.sampling.prompt_logprobs
             prompt = seq.request.prompt_token_ids
             if k is not None:
-                if len(seq.prompt_logprobs) != len(prompt):
-                    seq.prompt_logprobs = [None] * len(prompt)
                 for p in range(c.start, min(c.start + len(c.token_ids), len(prompt) - 1)):
                     rows.append(offset + p - c.start)
                     targets.append(prompt[p + 1])
@@ -584,6 +589,8 @@ class LLMEngine:
             seq.token_times.append(now)
             self._new_tokens.append((seq.request.id, token))
             self._new_logprobs.append(logprob)
+            if len(seq.generated) == 1 and seq.request.sampling.prompt_logprobs is not None:
+                self._new_prompt_logprobs[seq.request.id] = list(seq.prompt_logprobs)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._leave(seq)

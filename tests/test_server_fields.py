@@ -42,11 +42,16 @@ class Server:
 
     def greedy(self, ids: list[int], adapter: str | None, n: int, **kw) -> list[int]:
         """The offline engine's greedy tokens (before the server owns the engine)."""
+        return self.offline(ids, adapter, n, **kw).token_ids
+
+    def offline(self, ids: list[int], adapter: str | None, n: int, **kw):
+        """The offline engine's output (its logprobs are checked against peft's in
+        test_logprobs.py)."""
         self._n += 1
         req = Request(f"ref{self._n}", list(ids), adapter, SamplingParams(n, **kw))
         out = self.engine.generate([req])[0]
         assert out.error is None, out.error
-        return out.token_ids
+        return out
 
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -71,6 +76,8 @@ def srv():
     partial = [*hello, {"role": "assistant", "content": "Ahoy"}]
     s.continue_ref = s.greedy(s.chat_ids(partial, continue_final_message=True), None, 6)
     s.context_ids = s.chat_ids(hello, add_generation_prompt=True)
+    s.lp = {a: s.offline(s.ids[0], a, 6, logprobs=3, prompt_logprobs=3) for a in (None, "pirate")}
+    s.chat_lp = s.offline(s.context_ids, "pirate", 6, logprobs=2)
     app = S.create_app(s.engine, s.tokenizer, s.config)
     with TestClient(app) as http:
         s.http = http
@@ -287,3 +294,86 @@ def test_tokenize_detokenize_version_and_open_metrics(srv):
         assert srv.http.get("/v1/models").status_code == 401
     finally:
         srv.config.api_key = None
+
+
+# ---- logprobs and echo ---------------------------------------------------------------
+def test_completion_logprobs_whole_and_streamed(srv):
+    """OpenAI's completions ``logprobs`` object: each token's logprob, the top ``k`` and
+    the chosen token, text offsets; streamed chunks carry their tokens' entries."""
+    want = srv.lp["pirate"]
+    body = {"model": "pirate", "prompt": srv.prompts[0], "max_tokens": 6, "temperature": 0,
+            "logprobs": 3}  # fmt: skip
+    choice = post(srv, "/v1/completions", body)["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [srv.tokenizer.decode([t]) for t in want.token_ids]
+    assert lp["token_logprobs"] == [e.logprob for e in want.logprobs]
+    for top, e in zip(lp["top_logprobs"], want.logprobs, strict=True):
+        assert len(top) == 3 and max(top.values()) == e.top[0][1]
+        assert top[srv.tokenizer.decode([e.token])] == e.logprob  # the chosen token's too
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    stream = list(client(srv).completions.create(stream=True, **body))
+    got = [x for c in stream if c.choices and c.choices[0].logprobs
+           for x in c.choices[0].logprobs.token_logprobs]  # fmt: skip
+    assert got == lp["token_logprobs"]
+
+
+def test_echo_with_logprobs_as_lm_evaluation_harness_asks(srv):
+    """lm-evaluation-harness's ``local-completions`` scores a continuation with ``echo``,
+    ``logprobs: 1``, ``max_tokens: 1`` over a batch of token-id prompts: the prompt's
+    tokens' logprobs come first (the first ``null``), then the generated token's."""
+    body = {"model": MODEL, "prompt": [srv.ids[0], srv.ids[0]], "max_tokens": 1,
+            "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234}  # fmt: skip
+    for adapter in (None, "pirate"):
+        out = post(srv, "/v1/completions", {**body, "model": adapter or MODEL})
+        want = srv.lp[adapter]
+        for choice in out["choices"]:
+            lp = choice["logprobs"]
+            n = len(srv.ids[0])
+            prompt = [None] + [e.logprob for e in want.prompt_logprobs[1:]]
+            # (batched with the other choice: float32 sums in another order)
+            assert lp["token_logprobs"] == pytest.approx([*prompt, want.logprobs[0].logprob],
+                                                         abs=1e-5)  # fmt: skip
+            assert lp["top_logprobs"][0] is None and len(lp["tokens"]) == n + 1
+            assert choice["text"].startswith(srv.tokenizer.decode(srv.ids[0]))
+            for p in range(1, n):  # top-1 and the prompt token's own entry
+                e = want.prompt_logprobs[p]
+                top = lp["top_logprobs"][p][srv.tokenizer.decode([e.top[0][0]])]
+                assert top == pytest.approx(e.top[0][1], abs=1e-5)
+    body = {"model": MODEL, "prompt": srv.prompts[1], "max_tokens": 6, "temperature": 0}
+    text = post(srv, "/v1/completions", {**body, "echo": True})
+    assert text["choices"][0]["text"] == srv.prompts[1] + srv.text(srv.refs[(1, None)])
+
+
+def test_vllm_prompt_logprobs_and_chat_logprobs(srv):
+    want = srv.lp[None]
+    body = {"model": MODEL, "prompt": srv.prompts[0], "max_tokens": 6, "temperature": 0,
+            "prompt_logprobs": 3}  # fmt: skip
+    got = post(srv, "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(srv.ids[0])
+    for p in range(1, len(got)):
+        e = want.prompt_logprobs[p]
+        decoded = srv.tokenizer.decode([e.token])
+        assert got[p][str(e.token)] == {"logprob": e.logprob, "rank": e.rank,
+                                        "decoded_token": decoded}  # fmt: skip
+        assert len(got[p]) in (3, 4)
+    r = client(srv).chat.completions.create(
+        model="pirate", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in srv.chat_lp.logprobs]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [
+        [v for _, v in e.top] for e in srv.chat_lp.logprobs
+    ]
+    stream = client(srv).chat.completions.create(
+        model="pirate", messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True,
+    )  # fmt: skip
+    got = [x.logprob for c in stream if c.choices and c.choices[0].logprobs
+           for x in c.choices[0].logprobs.content]  # fmt: skip
+    assert got == [e.logprob for e in srv.chat_lp.logprobs]
+    err = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+               "content": "x"}], "top_logprobs": 2}, 400)["error"]  # fmt: skip
+    assert err["message"] == "top_logprobs needs logprobs: true"
+    err = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400)
+    assert err["error"]["message"] == "logprobs must be in [0, 20], got 21"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_graph.engine import RequestOutput
+from lora_graph.engine import RequestOutput, TokenLogprob
 from lora_graph.server.protocol import APIError
 
 
@@ -23,6 +23,11 @@ class Choice:
     done: bool = False  # its text is final
     engine_done: bool = False  # its engine request finished
     refused: bool = False  # another choice of its request was refused: never served
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if asked
+    logprobs_sent: int = 0  # of ``logprobs``, in parts sent
+    chars_sent: int = 0  # of the text (echo included), in parts sent
+    started: bool = False  # its first part was sent
 
     def on_token(self, token: int, tokenizer: Any) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the

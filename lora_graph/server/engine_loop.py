@@ -12,14 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lora_graph.engine import LLMEngine, Request, RequestOutput
+from lora_graph.engine import LLMEngine, Request, RequestOutput, TokenLogprob
 
 
 @dataclass
 class Watcher:
-    """Where one engine request's tokens go: called on the engine thread."""
+    """Where one engine request's tokens go: called on the engine thread. ``on_token``
+    takes the token, its logprob (None unless asked) and, with the first token of a
+    request that asked for them, its prompt's logprobs (else None)."""
 
-    on_token: Callable[[int], None]
+    on_token: Callable[[int, TokenLogprob | None, list[TokenLogprob | None] | None], None]
     on_finish: Callable[[RequestOutput], None]
 
 
@@ -119,10 +121,12 @@ class EngineLoop:
                     self._on_step()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
-                for request_id, token in self.engine.step():
+                tokens = self.engine.step()
+                prompts = self.engine.step_prompt_logprobs
+                for (request_id, token), lp in zip(tokens, self.engine.step_logprobs, strict=True):
                     watcher = self._watchers.get(request_id)
                     if watcher is not None:
-                        watcher.on_token(token)
+                        watcher.on_token(token, lp, prompts.get(request_id))
                 self._deliver_finished()
                 if self._on_step is not None:
                     self._on_step()

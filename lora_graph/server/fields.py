@@ -78,19 +78,28 @@ FIELDS: dict[str, Rule] = {
     "stream": Rule(SERVED, "server-sent events, OpenAI's chunk objects, then `[DONE]`"),
     "stream_options": Rule(SERVED, "`include_usage`: a last chunk with the usage and no choices"),
     "user": Rule(IGNORED, "an end-user id for the caller's own records"),
-    "logprobs": Rule(REFUSED, "log-probabilities are not served yet"),
+    "logprobs": Rule(
+        SERVED,
+        "completions: `k` in 0-20, each token's logprob and the top `k` (and the chosen "
+        "token's); chat: `true`, with `top_logprobs`; of the logits the token was drawn from, "
+        "after the adapter, before temperature and penalties (vLLM's default)",
+    ),
     "presence_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
     "frequency_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
     "logit_bias": Rule(NOOP, "logit bias is not served yet", noop=({},)),
     # ---- OpenAI, completions ---------------------------------------------------------
     "prompt": _c(SERVED, "text, token ids, or a list of either (one choice set each)"),
-    "echo": _c(NOOP, "echo is not served yet", noop=(False,)),
+    "echo": _c(
+        SERVED,
+        "the prompt before the completion; with `logprobs` its tokens' too (the "
+        "first `null`), as lm-evaluation-harness reads them",
+    ),
     "best_of": _c(NOOP, "best_of is not served yet", noop=(1,)),
     "suffix": _c(NOOP, "insertion needs a fill-in-the-middle model", noop=("",)),
     # ---- OpenAI, chat ----------------------------------------------------------------
     "messages": _h(SERVED, "through the model's chat template (or `--chat-template`)"),
     "max_completion_tokens": _h(SERVED, "as `max_tokens` (which wins if both are given)"),
-    "top_logprobs": _h(REFUSED, "log-probabilities are not served yet"),
+    "top_logprobs": _h(SERVED, "0-20 most likely tokens a position (needs `logprobs: true`)"),
     "response_format": Rule(NOOP, _NO_GRAMMAR, noop=({"type": "text"},)),
     "tools": _h(NOOP, _NO_TOOLS, noop=([],)),
     "tool_choice": _h(NOOP, _NO_TOOLS, noop=("none",)),
@@ -115,7 +124,9 @@ FIELDS: dict[str, Rule] = {
     "min_p": Rule(NOOP, "min_p is not served yet", noop=(0,)),
     "repetition_penalty": Rule(NOOP, "penalties are not served yet", noop=(1,)),
     "min_tokens": Rule(NOOP, "min_tokens is not served yet", noop=(0,)),
-    "prompt_logprobs": Rule(REFUSED, "log-probabilities are not served yet"),
+    "prompt_logprobs": Rule(
+        SERVED, "`k`: each prompt token's logprob, rank and the top `k` (vLLM's shape)"
+    ),
     "use_beam_search": Rule(NOOP, "beam search is not served", noop=(False,)),
     "length_penalty": Rule(NOOP, "only for beam search, which is not served", noop=(1,)),
     "include_stop_str_in_output": Rule(NOOP, "stop strings are always cut", noop=(False,)),

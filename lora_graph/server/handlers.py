@@ -21,10 +21,12 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from lora_graph.config import ADAPTER_NAME, AdapterError
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
+from lora_graph.requests import MAX_LOGPROBS
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, Watcher
 from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
+from lora_graph.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
     APIError,
@@ -73,7 +75,12 @@ class _Generation:
         self.chat = chat
         self.choices: list[Choice] = []
         self.events: asyncio.Queue = asyncio.Queue()
-        self.prompt_lens: list[int] = []  # one per prompt (a choice set each)
+        self.prompts: list[list[int]] = []  # token ids, one per prompt (a choice set each)
+        self.prompt_texts: list[str | None] = []  # as given (None: given as token ids)
+        self.n = 1  # choices per prompt
+        self.logprobs: int | None = None  # top logprobs per token, if asked
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, if asked
+        self.echo = False
         self.created = int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self._checked = time.monotonic()
@@ -96,24 +103,53 @@ class _Generation:
     def advance(self, choice: Choice, event: str, value: Any) -> str:
         """Apply one event to ``choice``; return the text it newly emits."""
         if event == "token":
+            token, logprob, prompt_logprobs = value
             self.serving.metrics.generation_tokens.inc()
-            return choice.on_token(value, self.serving.tokenizer)
+            if logprob is not None:
+                choice.logprobs.append(logprob)
+            if prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs
+            return choice.on_token(token, self.serving.tokenizer)
+        if choice.prompt_logprobs is None and value.prompt_logprobs is not None:
+            choice.prompt_logprobs = value.prompt_logprobs
         return choice.on_finish(value, self.serving.tokenizer)
 
     def piece(self, c: Choice, text: str, first: bool = False) -> dict[str, Any]:
+        """One choice's part of a chunk (or of the whole answer): ``text`` and the
+        logprobs of the tokens not sent yet; a completion's first part has the echoed
+        prompt and vLLM's ``prompt_logprobs`` when asked."""
         finish = c.finish_reason if c.done else None
         out: dict[str, Any] = {"index": c.index, "finish_reason": finish, "logprobs": None}
+        tokenizer = self.serving.tokenizer
+        entries: list[Any] = c.logprobs[c.logprobs_sent :]
+        tokens: list[int] = c.tokens[c.logprobs_sent : c.logprobs_sent + len(entries)]
+        c.logprobs_sent += len(entries)
         if self.chat:
             out["delta"] = {"content": text}
             if first:
                 out["delta"]["role"] = "assistant"
-        else:
-            out["text"] = text
+            if self.logprobs is not None and (entries or c.done):
+                out["logprobs"] = chat_logprobs(tokenizer, entries)
+            return out
+        prompt = self.prompts[c.index // self.n]
+        if not c.started:  # the first part of a completion
+            c.started = True
+            prompt_lps = c.prompt_logprobs or [None] * len(prompt)
+            if self.echo:
+                given = self.prompt_texts[c.index // self.n]
+                text = (given if given is not None else tokenizer.decode(prompt)) + text
+                entries, tokens = [*prompt_lps, *entries], [*prompt, *tokens]
+            if self.prompt_logprobs is not None:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps)
+        out["text"] = text
+        if self.logprobs is not None:
+            out["logprobs"] = completion_logprobs(tokenizer, entries, tokens, c.chars_sent)
+        c.chars_sent += len(text)
         return out
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(c.tokens) for c in self.choices)
-        prompt = sum(self.prompt_lens)
+        prompt = sum(map(len, self.prompts))
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -153,7 +189,12 @@ class _Generation:
             for o in out:
                 o["message"] = {"role": "assistant", "content": o.pop("delta")["content"]}
         kind = "chat.completion" if self.chat else "text_completion"
-        return JSONResponse(self.envelope(kind, out, self.usage()))
+        data = self.envelope(kind, out, self.usage())
+        if self.chat and self.prompt_logprobs is not None:  # (vLLM's place for it in chat)
+            c = self.choices[0]
+            prompt_lps = c.prompt_logprobs or [None] * len(self.prompts[0])
+            data["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, prompt_lps)
+        return JSONResponse(data)
 
     async def stream(self) -> AsyncIterator[bytes]:
         """Server-sent chunks as tokens arrive; then (only when the request asked for it,
@@ -264,6 +305,7 @@ class OpenAIServing:
                 400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
             )
         top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM's -1: every token
+        logprobs, prompt_logprobs = self.logprobs_of(body)
         s = SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else self.config.default_max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -272,6 +314,8 @@ class OpenAIServing:
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             s.validate()
@@ -279,6 +323,37 @@ class OpenAIServing:
             param = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=param if hasattr(body, param) else None) from e
         return s
+
+    @staticmethod
+    def logprobs_of(body: Any) -> tuple[int | None, int | None]:
+        """``(logprobs, prompt_logprobs)`` the engine computes for a body: completions'
+        ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; with
+        completions' ``echo`` the prompt's too; vLLM's ``prompt_logprobs: k``.
+
+        Raises:
+            APIError: 400 for a count outside [0, 20], or chat's ``top_logprobs`` without
+                ``logprobs``.
+        """
+        chat = isinstance(body, ChatBody)
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(
+                    400, "top_logprobs needs logprobs: true", param="top_logprobs"
+                )  # fmt: skip
+            k = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            k = body.logprobs
+        name = "top_logprobs" if chat else "logprobs"
+        for field_name, value in ((name, k), ("prompt_logprobs", body.prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise APIError(
+                    400, f"{field_name} must be in [0, {MAX_LOGPROBS}], got {value}",
+                    param=field_name,
+                )  # fmt: skip
+        prompt = body.prompt_logprobs
+        if not chat and body.echo and k is not None:
+            prompt = k if prompt is None else max(k, prompt)
+        return k, prompt
 
     def _generates(self) -> None:
         if self.engine.is_encoder:
@@ -303,9 +378,9 @@ class OpenAIServing:
         aloop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
         stops = _stops_of(gen.body)
-        n = gen.body.n or 1
+        n = gen.n
         gen.choices = [Choice(i, f"{base}-{i}", stops) for i in range(n * len(prompts))]
-        gen.prompt_lens = [len(p) for p in prompts]
+        gen.prompts = prompts
 
         def put(item: Any) -> None:
             aloop.call_soon_threadsafe(gen.events.put_nowait, item)
@@ -329,7 +404,7 @@ class OpenAIServing:
                     if n > 1 and s.seed is not None:  # choice i draws with seed + i
                         s = SamplingParams(**{**s.__dict__, "seed": (s.seed + i) % 2**64})
                     watcher = Watcher(
-                        functools.partial(lambda i, t: put((i, "token", t)), c.index),
+                        functools.partial(lambda i, *t: put((i, "token", t)), c.index),
                         functools.partial(finished, c),
                     )
                     loop.submit(Request(c.request_id, list(prompts[p]), adapter, s), watcher)
@@ -356,9 +431,11 @@ class OpenAIServing:
         prompts: list[list[int]],
         max_tokens: int | None,
         chat: bool,
+        prompt_texts: list[str | None] | None = None,
     ) -> Any:
-        """Serve ``prompts`` (one for chat); ``max_tokens`` None: the server's default on
-        completions, up to the context on chat (OpenAI's and vLLM's defaults)."""
+        """Serve ``prompts`` (one for chat; ``prompt_texts`` as given, for ``echo``);
+        ``max_tokens`` None: the server's default on completions, up to the context on
+        chat (OpenAI's and vLLM's defaults)."""
         limit = self.engine.max_seq_len
         where = "messages" if chat else "prompt"
         for k, ids in enumerate(prompts):
@@ -381,6 +458,13 @@ class OpenAIServing:
             for ids in prompts
         ]
         gen = _Generation(self, http, body, chat)
+        gen.n = body.n or 1
+        gen.logprobs, gen.prompt_logprobs = self.logprobs_of(body)
+        if not chat and body.echo:
+            gen.echo = True
+            if gen.prompt_logprobs is not None and body.prompt_logprobs is None:
+                gen.prompt_logprobs = None  # (asked through echo: not vLLM's field)
+        gen.prompt_texts = prompt_texts or [None] * len(prompts)
         await self._submit(gen, prompts, adapter, sampling)
         if not body.stream:
             return await gen.whole()
@@ -404,8 +488,9 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
             raise APIError(400, f"{param} cannot be tokenized: {e}", param=param) from e
 
-    async def _prompts_of(self, body: CompletionBody) -> list[list[int]]:
-        """A completions ``prompt`` as token ids: text, token ids, or a list of either."""
+    async def _prompts_of(self, body: CompletionBody) -> tuple[list[list[int]], list[str | None]]:
+        """A completions ``prompt`` as token ids (text, token ids, or a list of either),
+        and each prompt's text as given (None for token ids)."""
         raw: Any = body.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -416,7 +501,7 @@ class OpenAIServing:
         for k, p in enumerate(raw):
             where = f"prompt[{k}]" if len(raw) > 1 else "prompt"
             out.append(list(p) if isinstance(p, list) else await self._tokenize(p, where, add))
-        return out
+        return out, [p if isinstance(p, str) else None for p in raw]
 
     # ---- routes -------------------------------------------------------------------------
     async def completions(self, http: HTTPRequest, body: CompletionBody) -> Any:
@@ -424,8 +509,8 @@ class OpenAIServing:
         (one choice set each)."""
         check_fields(body, COMPLETIONS, strict=self.config.strict_fields)
         self._generates()
-        prompts = await self._prompts_of(body)
-        return await self._generate(http, body, prompts, body.max_tokens, False)
+        prompts, texts = await self._prompts_of(body)
+        return await self._generate(http, body, prompts, body.max_tokens, False, texts)
 
     def _messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
         """The messages as the chat template sees them (text parts joined).
