@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -35,7 +35,13 @@ from lora_graph.requests import (
     TokenLogprob,
     check_text,
 )
-from lora_graph.sampling import pack_logprobs, sample, token_logprob, unpack_logprob
+from lora_graph.sampling import (
+    pack_logprobs,
+    process_logits,
+    sample,
+    token_logprob,
+    unpack_logprob,
+)
 from lora_graph.scheduler import Scheduler
 from lora_graph.step import SeqChunk
 
@@ -71,6 +77,8 @@ class _InFlight:
     logprobs: Tensor | None = None
     logprob_rows: dict[int, int] | None = None
     logprobs_k: int = 0
+    sync: bool = False  # a row processes its logits: read back before the next step
+    raw_hot: dict[int, Tensor] = field(default_factory=dict)  # unprocessed, for logprobs
 
 
 def default_async_scheduling(device: torch.device) -> bool:
@@ -353,6 +361,9 @@ class LLMEngine:
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[0]}")
+        bad_bias = [t for t, _ in request.sampling.logit_bias if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}")
         if len(prompt) >= self.pipeline.max_seq_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens; at most {self.pipeline.max_seq_len - 1} "
@@ -429,7 +440,7 @@ class LLMEngine:
             if previous is not None:
                 self._read_back(previous)
         current = self._in_flight
-        if current is not None and (current.hot or not self.async_scheduling):
+        if current is not None and (current.hot or current.sync or not self.async_scheduling):
             self._drain()
         out, self._new_tokens = self._new_tokens, []
         self.step_logprobs, self._new_logprobs = self._new_logprobs, []
@@ -490,6 +501,15 @@ class LLMEngine:
         ]
         seqs = [inputs.chunks[i].owner for i in rows]
         width = len(inputs.chunks)
+        raw = logits  # (what logprobs report)
+        processed = [(i, s) for i, s in zip(rows, seqs, strict=True)
+                     if s.request.sampling.processes_logits]  # fmt: skip
+        if processed:  # their rows only; every other row is the step's own, bit for bit
+            index = torch.tensor([i for i, _ in processed], device=logits.device)
+            histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
+                         for _, s in processed]  # fmt: skip
+            new = process_logits(logits[index], histories, set(self.eos_token_ids))
+            logits = logits[:width].float().index_copy(0, index, new)
         device = torch.stack(
             (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
         )
@@ -497,8 +517,10 @@ class LLMEngine:
         host.copy_(device, non_blocking=host.is_pinned())
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
                if s.request.sampling.temperature > 0}  # fmt: skip
-        step = _InFlight(seqs, rows, device, host, None, hot)
-        self._queue_logprobs(step, logits)
+        step = _InFlight(seqs, rows, device, host, None, hot, sync=bool(processed))
+        step.raw_hot = {i: raw[i].float().cpu() for i, s in processed
+                        if i in hot and s.request.sampling.logprobs is not None}  # fmt: skip
+        self._queue_logprobs(step, raw)
         if host.is_pinned():
             step.done = torch.cuda.Event()
             step.done.record()
@@ -603,7 +625,7 @@ class LLMEngine:
         if k is None:
             return None
         if row in step.hot:
-            return token_logprob(step.hot[row], token, k)
+            return token_logprob(step.raw_hot.get(row, step.hot[row]), token, k)
         assert step.logprobs is not None and step.logprob_rows is not None
         packed = step.logprobs[step.logprob_rows[row]].tolist()
         return unpack_logprob(packed, token, k, step.logprobs_k)

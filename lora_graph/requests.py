@@ -32,6 +32,23 @@ class SamplingParams:
             log-softmax at the position before it. The steps that compute such a
             request's prompt return every token's logits (an eager step, whatever its
             width); other steps are unchanged.
+        presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: each token's logit
+            minus ``frequency_penalty`` times its count among the generated tokens, minus
+            ``presence_penalty`` if it occurs there at all.
+        repetition_penalty: the CTRL rule (Keskar et al. 2019) as transformers' and vLLM's,
+            > 0: the logit of every token of the prompt or the output is divided by it if
+            positive, multiplied by it if negative (1: off).
+        logit_bias: ``(token id, bias)`` pairs added to those logits (OpenAI's, each bias
+            in [-100, 100]).
+        min_tokens: EOS and ``stop_token_ids`` cannot end the request before this many
+            tokens (their logits are -inf until then; vLLM's).
+        min_p: drop the tokens whose probability (after temperature) is below ``min_p``
+            times the most likely token's (Nguyen et al. 2024; 0: off; no effect on greedy).
+
+    Processing order (vLLM's): ``logit_bias`` and ``min_tokens``, then the repetition,
+    frequency and presence penalties (these on the device, for the rows that ask only; a
+    step holding such a row is read back before the next is scheduled, so each sees its
+    whole history); then temperature, ``min_p``, top-k, top-p.
     """
 
     max_new_tokens: int = 32
@@ -43,6 +60,24 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its logits change before its token is drawn (a penalty, a bias,
+        ``min_tokens``); ``min_p`` acts in :func:`~lora_graph.sampling.sample`."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def validate(self) -> None:
         """Refuse any value that could make the sampling distribution invalid, so that
@@ -74,6 +109,29 @@ class SamplingParams:
             map(is_int, self.stop_token_ids)
         ):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        """The logits-processing fields (penalties, bias, ``min_tokens``, ``min_p``) and
+        the logprob counts."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_finite_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not is_finite_number(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}"
+            )
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not is_int(pair[0]) or not is_finite_number(pair[1]):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
+            if not -100 <= pair[1] <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {pair[1]!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):

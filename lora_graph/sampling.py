@@ -3,6 +3,8 @@ reported with it (:func:`pack_logprobs`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -11,7 +13,7 @@ from lora_graph.requests import SamplingParams, TokenLogprob
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
-    from the temperature-scaled distribution restricted by top-k then top-p.
+    from the temperature-scaled distribution restricted by min-p, then top-k, then top-p.
 
     The logits are shifted so their maximum is 0 before the division by the temperature,
     so no value overflows: the most likely token always keeps a positive probability.
@@ -19,6 +21,8 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     if params.temperature == 0:
         return int(torch.argmax(logits).item())
     logits = (logits - logits.max()) / params.temperature
+    if params.min_p > 0:  # (the most likely token has probability ratio 1: always kept)
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,3 +68,63 @@ def token_logprob(logits: Tensor, token: int, k: int) -> TokenLogprob:
     host), with the ``k`` most likely tokens."""
     return unpack_logprob(pack_logprobs(logits[None], torch.tensor([token]), k)[0].tolist(),
                           token, k, k)  # fmt: skip
+
+
+def process_logits(
+    logits: Tensor, histories: list[tuple[SamplingParams, list[int], list[int]]], stop: set[int]
+) -> Tensor:
+    """The logits of rows whose requests ask for logits processing (:attr:`SamplingParams.
+    processes_logits`), processed as :class:`SamplingParams` says (vLLM's order:
+    ``logit_bias`` and ``min_tokens``, then the repetition, frequency and presence
+    penalties), on ``logits``' device.
+
+    Args:
+        logits: ``[R, vocab]``, one row each of ``histories`` (not changed).
+        histories: per row, ``(sampling, prompt token ids, generated token ids)``.
+        stop: EOS ids (``min_tokens`` holds them back unless ``ignore_eos``).
+
+    Returns:
+        float32 ``[R, vocab]``.
+    """
+    out = logits.float().clone()
+    device, (rows, vocab) = out.device, out.shape
+    bias_rows, bias_ids, bias_values, masked_rows, masked_ids = [], [], [], [], []
+    for i, (s, _, generated) in enumerate(histories):
+        for token, value in s.logit_bias:
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(float(value))
+        if len(generated) < s.min_tokens:
+            held = set(s.stop_token_ids) | (set() if s.ignore_eos else stop)
+            masked_rows += [i] * len(held)
+            masked_ids += sorted(held)
+    if bias_rows:
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+        out.index_put_(index, torch.tensor(bias_values, device=device), accumulate=True)
+    if masked_rows:
+        index = (torch.tensor(masked_rows, device=device), torch.tensor(masked_ids, device=device))
+        out.index_put_(index, torch.tensor(float("-inf"), device=device))
+
+    def counts(tokens: list[list[int]]) -> Tensor:
+        """``[R, vocab]`` float32: how often each token occurs in each row's list."""
+        width = max(1, max(map(len, tokens)))
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        weight = torch.zeros(rows, width)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            weight[i, : len(t)] = 1
+        c = torch.zeros(rows, vocab, device=device)
+        return c.scatter_add_(1, ids.to(device), weight.to(device))
+
+    if any(s.repetition_penalty != 1.0 for s, _, _ in histories):
+        seen = counts([p + g for _, p, g in histories]) > 0
+        penalty = torch.tensor([s.repetition_penalty for s, _, _ in histories], device=device)
+        penalty = penalty[:, None]
+        penalized = torch.where(out > 0, out / penalty, out * penalty)
+        out = torch.where(seen, penalized, out)
+    if any(s.frequency_penalty or s.presence_penalty for s, _, _ in histories):
+        occurs = counts([g for _, _, g in histories])
+        frequency = torch.tensor([s.frequency_penalty for s, _, _ in histories], device=device)
+        presence = torch.tensor([s.presence_penalty for s, _, _ in histories], device=device)
+        out = out - frequency[:, None] * occurs - presence[:, None] * (occurs > 0).float()
+    return out

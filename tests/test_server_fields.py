@@ -78,6 +78,9 @@ def srv():
     s.context_ids = s.chat_ids(hello, add_generation_prompt=True)
     s.lp = {a: s.offline(s.ids[0], a, 6, logprobs=3, prompt_logprobs=3) for a in (None, "pirate")}
     s.chat_lp = s.offline(s.context_ids, "pirate", 6, logprobs=2)
+    s.controls = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
+                      logit_bias=((int(s.refs[(1, "pirate")][0]), -100.0),), min_tokens=3)  # fmt: skip
+    s.controlled = s.greedy(s.ids[1], "pirate", 6, **s.controls)
     app = S.create_app(s.engine, s.tokenizer, s.config)
     with TestClient(app) as http:
         s.http = http
@@ -377,3 +380,26 @@ def test_vllm_prompt_logprobs_and_chat_logprobs(srv):
     assert err["message"] == "top_logprobs needs logprobs: true"
     err = post(srv, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400)
     assert err["error"]["message"] == "logprobs must be in [0, 20], got 21"
+
+
+def test_penalties_and_logit_bias_through_the_sdk(srv):
+    """The controls reach the engine as given (the engine's against transformers' own
+    processors in test_penalties.py); ``logit_bias`` keys are JSON strings."""
+    c = srv.controls
+    bias = {str(t): b for t, b in c["logit_bias"]}
+    r = client(srv).completions.create(
+        model="pirate", prompt=srv.prompts[1], max_tokens=6, temperature=0,
+        presence_penalty=c["presence_penalty"], frequency_penalty=c["frequency_penalty"],
+        logit_bias=bias, extra_body={"repetition_penalty": c["repetition_penalty"],
+                                     "min_tokens": c["min_tokens"]},
+    )  # fmt: skip
+    assert r.choices[0].text == srv.text(srv.controlled)
+    assert srv.controlled[0] != srv.refs[(1, "pirate")][0]  # (the bias bit)
+    for extra, message in [
+        ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids, got 'x'"),
+        ({"presence_penalty": 3}, "presence_penalty must be a number in [-2, 2], got 3"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens must be an integer in [0, max_new"),
+    ]:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra}
+        err = post(srv, "/v1/completions", body, 400)["error"]
+        assert message in err["message"] and err["param"] == next(iter(extra)), err

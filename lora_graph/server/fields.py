@@ -84,9 +84,13 @@ FIELDS: dict[str, Rule] = {
         "token's); chat: `true`, with `top_logprobs`; of the logits the token was drawn from, "
         "after the adapter, before temperature and penalties (vLLM's default)",
     ),
-    "presence_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
-    "frequency_penalty": Rule(NOOP, "penalties are not served yet", noop=(0,)),
-    "logit_bias": Rule(NOOP, "logit bias is not served yet", noop=({},)),
+    "presence_penalty": Rule(
+        SERVED, "OpenAI's, in [-2, 2]: minus it for each token the output already has"
+    ),
+    "frequency_penalty": Rule(
+        SERVED, "OpenAI's, in [-2, 2]: minus it times each token's count in the output"
+    ),
+    "logit_bias": Rule(SERVED, "token id (a string key) to a bias in [-100, 100] on its logit"),
     # ---- OpenAI, completions ---------------------------------------------------------
     "prompt": _c(SERVED, "text, token ids, or a list of either (one choice set each)"),
     "echo": _c(
@@ -121,9 +125,11 @@ FIELDS: dict[str, Rule] = {
     "top_k": Rule(SERVED, "keep the k most likely tokens (0 or -1: all)"),
     "stop_token_ids": Rule(SERVED, "tokens that end the choice (kept in its tokens)"),
     "ignore_eos": Rule(SERVED, "generate past EOS"),
-    "min_p": Rule(NOOP, "min_p is not served yet", noop=(0,)),
-    "repetition_penalty": Rule(NOOP, "penalties are not served yet", noop=(1,)),
-    "min_tokens": Rule(NOOP, "min_tokens is not served yet", noop=(0,)),
+    "min_p": Rule(SERVED, "drop tokens under `min_p` times the top probability (sampling)"),
+    "repetition_penalty": Rule(
+        SERVED, "> 0, transformers' and vLLM's rule over the prompt's and the output's tokens"
+    ),
+    "min_tokens": Rule(SERVED, "EOS and `stop_token_ids` held back until this many tokens"),
     "prompt_logprobs": Rule(
         SERVED, "`k`: each prompt token's logprob, rank and the top `k` (vLLM's shape)"
     ),

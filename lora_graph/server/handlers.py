@@ -60,6 +60,22 @@ def _stops_of(body: Any) -> list[str]:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) as the engine's pairs.
+
+    Raises:
+        APIError: 400 for a key that is not a token id.
+    """
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias"
+            )
+        out.append((int(key), value))
+    return tuple(out)
+
+
 def _sse(data: Any) -> bytes:  # FastAPI's SSE wire format
     return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))
 
@@ -316,6 +332,12 @@ class OpenAIServing:
             ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias),
+            min_tokens=body.min_tokens or 0,
+            min_p=body.min_p or 0.0,
         )
         try:
             s.validate()
