@@ -84,13 +84,12 @@ def test_each_control_equals_transformers_generate(tiny, reference_factory, asyn
     for req, out, w in zip(reqs, outs, want, strict=True):
         assert out.error is None, out.error
         assert out.token_ids == w, (req.id, req.sampling)
-    assert outs[6].token_ids[: 6] != w[:1] * 6  # (min_tokens held EOS back: the case bites)
+    # min_tokens held back the EOS its row would have ended on at once: the case bites
+    assert len(outs[6].token_ids) >= 6 and eos not in outs[6].token_ids[:6]
     # the same batch without any control: the free rows are bit for bit what they were
     plain = [Request(r.id + "p", r.prompt_token_ids, r.adapter, SamplingParams(N, logprobs=2))
              for r in reqs]  # fmt: skip
-    alone = LLMEngine(pipe, eos_token_ids=(eos,), async_scheduling=async_scheduling).generate(
-        plain
-    )
+    alone = LLMEngine(pipe, eos_token_ids=(eos,), async_scheduling=async_scheduling).generate(plain)
     for i in range(len(CASES), len(reqs)):
         assert outs[i].token_ids == alone[i].token_ids
         assert [e.logprob for e in outs[i].logprobs] == [e.logprob for e in alone[i].logprobs]

@@ -78,8 +78,9 @@ def srv():
     s.context_ids = s.chat_ids(hello, add_generation_prompt=True)
     s.lp = {a: s.offline(s.ids[0], a, 6, logprobs=3, prompt_logprobs=3) for a in (None, "pirate")}
     s.chat_lp = s.offline(s.context_ids, "pirate", 6, logprobs=2)
+    first = int(s.refs[(1, "pirate")][0])
     s.controls = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
-                      logit_bias=((int(s.refs[(1, "pirate")][0]), -100.0),), min_tokens=3)  # fmt: skip
+                      logit_bias=((first, -100.0),), min_tokens=3)  # fmt: skip
     s.controlled = s.greedy(s.ids[1], "pirate", 6, **s.controls)
     app = S.create_app(s.engine, s.tokenizer, s.config)
     with TestClient(app) as http:
