@@ -139,7 +139,8 @@ def test_unknown_fields_are_ignored_once_logged_or_refused_when_strict(srv, capl
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"best_of": 3}, "best_of 3 is not supported (best_of is not served yet); only 1 is"),
+        ({"best_of": 17}, "best_of must be in [n, 16] (n is 1), got 17"),
+        ({"best_of": 2, "stream": True}, "best_of cannot be streamed"),
         ({"suffix": "x"}, 'suffix "x" is not supported'),
         ({"guided_json": {}}, "guided_json is not supported: structured output"),
         ({"logits_processors": ["x"]}, "logits_processors is not supported"),
@@ -404,3 +405,23 @@ def test_penalties_and_logit_bias_through_the_sdk(srv):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra}
         err = post(srv, "/v1/completions", body, 400)["error"]
         assert message in err["message"] and err["param"] == next(iter(extra)), err
+
+
+def test_best_of_returns_the_n_with_the_highest_cumulative_logprob(srv):
+    """``best_of: 4, n: 2`` samples 4 candidates (candidate ``i`` with ``seed + i``, the
+    same draws as ``n: 4``) and returns the 2 whose tokens' logprobs sum highest."""
+    body = {"model": "pirate", "prompt": srv.prompts[0], "max_tokens": 8, "temperature": 1.0,
+            "seed": 3, "logprobs": 0}  # fmt: skip
+    all4 = post(srv, "/v1/completions", {**body, "n": 4})["choices"]
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in all4]
+    assert len(set(sums)) > 1  # (the candidates differ: the pick means something)
+    order = sorted(range(4), key=lambda i: -sums[i])[:2]
+    for logprobs in (0, None):
+        out = post(srv, "/v1/completions", {**body, "n": 2, "best_of": 4, "logprobs": logprobs})
+        assert [c["text"] for c in out["choices"]] == [all4[i]["text"] for i in order]
+        assert [c["index"] for c in out["choices"]] == [0, 1]
+        assert out["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in all4)
+        if logprobs is None:
+            assert all(c["logprobs"] is None for c in out["choices"])
+    err = post(srv, "/v1/completions", {**body, "n": 3, "best_of": 2}, 400)["error"]
+    assert err["message"] == "best_of must be in [n, 16] (n is 3), got 2"

@@ -98,7 +98,12 @@ FIELDS: dict[str, Rule] = {
         "the prompt before the completion; with `logprobs` its tokens' too (the "
         "first `null`), as lm-evaluation-harness reads them",
     ),
-    "best_of": _c(NOOP, "best_of is not served yet", noop=(1,)),
+    "best_of": _c(
+        SERVED,
+        "n to 16 candidates a prompt; the `n` with the highest cumulative logprob "
+        "returned (TGI's and LoRAX's rule); not with `stream`",
+        vllm="vLLM V1 dropped it",
+    ),
     "suffix": _c(NOOP, "insertion needs a fill-in-the-middle model", noop=("",)),
     # ---- OpenAI, chat ----------------------------------------------------------------
     "messages": _h(SERVED, "through the model's chat template (or `--chat-template`)"),
