@@ -247,7 +247,7 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
         ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
-        ({"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of 2 is not supported"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 20}, "best_of must be in [n, 16]"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n must be in"),
         ({"model": MODEL, "prompt": "word " * 200}, "max_seq_len"),
         ({"model": MODEL, "prompt": [10**9]}, "prompt token ids"),

@@ -58,7 +58,6 @@ def _h(kind: str, doc: str, **kw: Any) -> Rule:
     return Rule(kind, doc, frozenset({CHAT}), **kw)
 
 
-_NO_GRAMMAR = "structured output is not served yet"
 _NO_TOOLS = "tool calling is not served yet"
 
 #: Every known request field of completions and chat, by name (OpenAI's, then vLLM's).
@@ -109,7 +108,11 @@ FIELDS: dict[str, Rule] = {
     "messages": _h(SERVED, "through the model's chat template (or `--chat-template`)"),
     "max_completion_tokens": _h(SERVED, "as `max_tokens` (which wins if both are given)"),
     "top_logprobs": _h(SERVED, "0-20 most likely tokens a position (needs `logprobs: true`)"),
-    "response_format": Rule(NOOP, _NO_GRAMMAR, noop=({"type": "text"},)),
+    "response_format": Rule(
+        SERVED,
+        "`json_object` (any JSON object) or `json_schema` (its `schema`), through "
+        "xgrammar; a schema it refuses is a 400 naming why",
+    ),
     "tools": _h(NOOP, _NO_TOOLS, noop=([],)),
     "tool_choice": _h(NOOP, _NO_TOOLS, noop=("none",)),
     "parallel_tool_calls": _h(IGNORED, "meaningful only with tools"),
@@ -147,13 +150,13 @@ FIELDS: dict[str, Rule] = {
     "bad_words": Rule(REFUSED, "not served yet"),
     "logits_processors": Rule(REFUSED, "no code from requests is run"),
     "truncate_prompt_tokens": Rule(REFUSED, "not served for generation (embeddings: served)"),
-    "guided_json": Rule(REFUSED, _NO_GRAMMAR),
-    "guided_regex": Rule(REFUSED, _NO_GRAMMAR),
-    "guided_choice": Rule(REFUSED, _NO_GRAMMAR),
-    "guided_grammar": Rule(REFUSED, _NO_GRAMMAR),
-    "guided_decoding_backend": Rule(REFUSED, _NO_GRAMMAR),
-    "guided_whitespace_pattern": Rule(REFUSED, _NO_GRAMMAR),
-    "structural_tag": Rule(REFUSED, _NO_GRAMMAR),
+    "guided_json": Rule(SERVED, "a JSON schema (object or text) the output follows"),
+    "guided_regex": Rule(SERVED, "a regular expression the whole output matches"),
+    "guided_choice": Rule(SERVED, "the output is one of these strings"),
+    "guided_grammar": Rule(SERVED, "an EBNF grammar (xgrammar's, rule `root`)"),
+    "guided_decoding_backend": Rule(NOOP, "xgrammar is the one backend", noop=("auto", "xgrammar")),
+    "guided_whitespace_pattern": Rule(REFUSED, "JSON is written without free whitespace"),
+    "structural_tag": Rule(REFUSED, "not served yet"),
     "priority": Rule(NOOP, "first come, first served", noop=(0,)),
     "request_id": Rule(IGNORED, "responses carry the server's own ids", vllm="vLLM uses it"),
     "return_tokens_as_token_ids": Rule(NOOP, "tokens are returned as text", noop=(False,)),

@@ -22,6 +22,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from lora_graph.config import ADAPTER_NAME, AdapterError
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
+from lora_graph.grammar import GrammarCompiler, GrammarError
 from lora_graph.requests import MAX_LOGPROBS
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
@@ -59,6 +60,30 @@ def _stops_of(body: Any) -> list[str]:
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _response_format(fmt: dict[str, Any]) -> tuple[str, Any]:
+    """OpenAI's ``response_format`` as ``(compiler method, argument)``.
+
+    Raises:
+        APIError: 400 for another ``type`` or a ``json_schema`` without its ``schema``.
+    """
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return "json", None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400, "response_format json_schema needs json_schema.schema (an object)",
+                param="response_format",
+            )  # fmt: skip
+        return "json_schema", schema
+    raise APIError(
+        400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )  # fmt: skip
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -297,6 +322,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.loop = loop
         self.loading: set[str] = set()  # adapter names being read by a runtime load
+        self._grammar_compiler: Any = None  # built at the first structured request
 
     async def on_engine(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread between two steps; its result."""
@@ -332,7 +358,7 @@ class OpenAIServing:
             )  # fmt: skip
         return model
 
-    def sampling_of(self, body: Any, max_tokens: int | None) -> SamplingParams:
+    def sampling_of(self, body: Any, max_tokens: int | None, grammar: Any = None) -> SamplingParams:
         """The request's sampling parameters, validated (400 naming the first bad one);
         a field left out (or null) takes OpenAI's default. ``max_tokens`` None: the
         server's ``default_max_tokens``."""
@@ -361,6 +387,7 @@ class OpenAIServing:
             logit_bias=_logit_bias(body.logit_bias),
             min_tokens=body.min_tokens or 0,
             min_p=body.min_p or 0.0,
+            grammar=grammar,
         )
         try:
             s.validate()
@@ -368,6 +395,52 @@ class OpenAIServing:
             param = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=param if hasattr(body, param) else None) from e
         return s
+
+    async def grammar_of(self, body: Any) -> Any:
+        """The compiled grammar a body asks for (None: free output): ``response_format``
+        ``json_object`` / ``json_schema``, or vLLM's ``guided_json``, ``guided_regex``,
+        ``guided_choice``, ``guided_grammar`` (one of them). Compiled on a worker thread,
+        so a long schema never stalls other requests or the engine.
+
+        Raises:
+            APIError: 400 for two of them, a malformed ``response_format``, or a grammar
+                the library refuses (its cause named); 400 without xgrammar installed.
+        """
+        asked = []
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            asked.append(("response_format", _response_format(fmt)))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "ebnf")):  # fmt: skip
+            if getattr(body, name) is not None:
+                asked.append((name, (kind, getattr(body, name))))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise APIError(
+                400, f"give one of {' and '.join(n for n, _ in asked)}, not both",
+                param=asked[1][0],
+            )  # fmt: skip
+        name, (kind, spec) = asked[0]
+        try:
+            compiler = await asyncio.to_thread(self._compiler)
+            return await asyncio.to_thread(
+                getattr(compiler, kind), *(() if spec is None else (spec,))
+            )
+        except ImportError as e:
+            raise APIError(
+                400, "structured output needs xgrammar: pip install 'lora_graph[serve]'",
+                param=name,
+            ) from e  # fmt: skip
+        except GrammarError as e:
+            raise APIError(400, str(e), param=name) from e
+
+    def _compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:  # (a race builds two: the same, harmless)
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.engine.vocab_size, sorted(self.engine.eos_token_ids)
+            )
+        return self._grammar_compiler
 
     @staticmethod
     def _check_best_of(body: Any, best_of: int) -> None:
@@ -514,9 +587,12 @@ class OpenAIServing:
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         adapter = self.adapter_of(body.model)
+        grammar = await self.grammar_of(body)
         sampling = [
             self.sampling_of(
-                body, max_tokens if max_tokens is not None or not chat else limit - len(ids)
+                body,
+                max_tokens if max_tokens is not None or not chat else limit - len(ids),
+                grammar,
             )
             for ids in prompts
         ]
