@@ -78,7 +78,7 @@ class _InFlight:
     logprobs: Tensor | None = None
     logprob_rows: dict[int, int] | None = None
     logprobs_k: int = 0
-    sync: bool = False  # a row processes its logits: read back before the next step
+    read: bool = False  # its tokens were read back (once)
     raw_hot: dict[int, Tensor] = field(default_factory=dict)  # unprocessed, for logprobs
 
 
@@ -443,7 +443,7 @@ class LLMEngine:
             if previous is not None:
                 self._read_back(previous)
         current = self._in_flight
-        if current is not None and (current.hot or current.sync or not self.async_scheduling):
+        if current is not None and (current.hot or not self.async_scheduling):
             self._drain()
         out, self._new_tokens = self._new_tokens, []
         self.step_logprobs, self._new_logprobs = self._new_logprobs, []
@@ -467,8 +467,11 @@ class LLMEngine:
         self, scheduled: list[tuple[RequestState, int]], previous: _InFlight | None
     ) -> _InFlight:
         """Queue one step on the device and its greedy tokens' copy to the host. Nothing of
-        the engine's state changes until all of it is queued: a step that raises is run
-        again from scratch."""
+        the engine's state changes until all of it is queued (a step that raises is run
+        again from scratch), except that a step whose rows process their logits (penalties,
+        a grammar) reads ``previous`` back once its forward is queued, for those rows'
+        last tokens: their processing then sees their whole history, and the host's wait
+        still overlaps the device's forward."""
         fed = {}  # a decoding request's input token still on the device: its previous row
         if previous is not None:
             fed = {id(q): row for q, row in zip(previous.seqs, previous.rows, strict=True)}
@@ -505,14 +508,24 @@ class LLMEngine:
         seqs = [inputs.chunks[i].owner for i in rows]
         width = len(inputs.chunks)
         raw = logits  # (what logprobs report)
+        if previous is not None and any(
+            s.pending and s.request.sampling.processes_logits for s in seqs
+        ):
+            # a row's penalties and grammar mask need its last token, still in the previous
+            # step: read that step now, while this one's forward runs on the device
+            self._read_back(previous)
         processed = [(i, s) for i, s in zip(rows, seqs, strict=True)
-                     if s.request.sampling.processes_logits]  # fmt: skip
+                     if s.request.sampling.processes_logits and not s.done]  # fmt: skip
         if processed:  # their rows only; every other row is the step's own, bit for bit
             index = torch.tensor([i for i, _ in processed], device=logits.device)
             histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
                          for _, s in processed]  # fmt: skip
             new = process_logits(logits[index], histories, set(self.eos_token_ids))
-            held = [j for j, (_, s) in enumerate(processed) if s.matcher is not None]
+            held = [
+                j
+                for j, (_, s) in enumerate(processed)
+                if s.matcher is not None and not s.matcher.is_terminated()
+            ]
             if held:  # grammars: each row's allowed tokens, filled on the host
                 mask = allocate_bitmask(len(processed), new.shape[1])
                 for j in held:
@@ -526,7 +539,7 @@ class LLMEngine:
         host.copy_(device, non_blocking=host.is_pinned())
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
                if s.request.sampling.temperature > 0}  # fmt: skip
-        step = _InFlight(seqs, rows, device, host, None, hot, sync=bool(processed))
+        step = _InFlight(seqs, rows, device, host, None, hot)
         step.raw_hot = {i: raw[i].float().cpu() for i, s in processed
                         if i in hot and s.request.sampling.logprobs is not None}  # fmt: skip
         self._queue_logprobs(step, raw)
@@ -591,7 +604,11 @@ class LLMEngine:
 
     def _read_back(self, step: _InFlight) -> None:
         """Read a queued step's sampled tokens (waiting for the device if it has not got
-        there): append each to its request, stream it, finish the requests that end."""
+        there): append each to its request, stream it, finish the requests that end. A
+        step is read once (a later call does nothing)."""
+        if step.read:
+            return
+        step.read = True
         if step.done is not None:
             step.done.synchronize()
         bad_rows, greedy = step.host.tolist()
@@ -660,6 +677,8 @@ class LLMEngine:
     def _finish_reason(self, seq: RequestState, token: int) -> str | None:
         s = seq.request.sampling
         if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():  # its grammar is complete
             return "stop"
         if len(seq.generated) >= s.max_new_tokens or len(seq.tokens) >= self.pipeline.max_seq_len:
             return "length"

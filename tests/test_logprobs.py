@@ -115,3 +115,40 @@ def test_logprobs_out_of_range_are_refused(tiny):
             [Request("x", [5, 6], None, SamplingParams(4, **{field: value}))]
         )[0]
         assert f"{field} must be an integer in [0, 20] or null" in out.error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graphs_logprobs_and_penalties(tiny, reference_factory):
+    """On CUDA with captured graphs and asynchronous scheduling: logprobs and prompt
+    logprobs equal peft's (float32), and rows with penalties get the CPU engine's tokens
+    (which equal transformers' generate: test_penalties.py)."""
+    ref = reference_factory(tiny)
+    kw = dict(max_batch_size=8, max_num_batched_tokens=16)
+    gpu = make_pipeline(tiny, device="cuda", **kw)
+    gpu.enable_compile("cudagraph", token_buckets=(8, 16), progress=False)
+    cpu = make_pipeline(tiny, **kw)
+    batch = prompts(8, seed=503, min_len=5, max_len=14)
+    adapters = ["A", None, "B", "D", "C", None, "D", "A"]
+    controls = [{}, dict(repetition_penalty=1.5), {}, dict(frequency_penalty=1.0),
+                dict(logit_bias=((5, 20.0),)), {}, dict(presence_penalty=1.5), {}]  # fmt: skip
+    reqs = [
+        Request(
+            f"g{i}",
+            ids,
+            a,
+            SamplingParams(
+                8, ignore_eos=True, logprobs=3, prompt_logprobs=2 if i % 2 else None, **c
+            ),
+        )  # fmt: skip
+        for i, (ids, a, c) in enumerate(zip(batch, adapters, controls, strict=True))
+    ]
+    outs = LLMEngine(gpu).generate(reqs)
+    want = LLMEngine(cpu).generate([Request(r.id, r.prompt_token_ids, r.adapter, r.sampling)
+                                    for r in reqs])  # fmt: skip
+    assert gpu.graphs is not None and sum(g.replays for g in gpu.graphs.graphs.values()) > 0
+    for req, out, w in zip(reqs, outs, want, strict=True):
+        assert out.error is None, out.error
+        assert out.token_ids == w.token_ids, req.id
+        if not req.sampling.processes_logits:
+            check_output(ref, req, out)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -83,7 +84,23 @@ def served():
 
 
 def test_200_constrained_requests_parse_validate_and_leave_free_rows_alone(served):
-    engine, tokenizer, compiler = served
+    check_200(*served)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graphs_200_constrained_requests():
+    """The same on CUDA, captured graphs, asynchronous scheduling, float32."""
+    engine, tokenizer = build_engine(
+        str(ASSETS / "base"), [f"{a}={ASSETS / 'adapters' / a}" for a in ADAPTERS if a],
+        max_loras=4, max_lora_rank=64, dtype="float32", device="cuda", max_batch_size=32,
+        max_seq_len=160, max_num_batched_tokens=256, compile_mode="cudagraph", progress=False,
+    )  # fmt: skip
+    compiler = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
+    check_200(engine, tokenizer, compiler)
+
+
+def check_200(engine, tokenizer, compiler) -> None:
     grammars = [("schema", s, compiler.json_schema(s)) for s in SCHEMAS]
     grammars += [("regex", r, compiler.regex(r)) for r in REGEXES]
     prompts = ["Once upon a time", "The little dog", "Answer in JSON:", "Tell me"]
