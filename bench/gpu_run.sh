@@ -29,6 +29,10 @@
 #                                   wheels of bench/server_wheels.sh carried in bench/out/wheels)
 #                                   and the server's GPU test
 #   bash bench/gpu_run.sh serve     bench/serve.py (a whole workload: all at once, then 8 requests/s)
+#   bash bench/gpu_run.sh extras    logprobs, penalties and structured output: their GPU tests (CUDA
+#                                   graphs) and bench/serve.py with 25% of requests asking logprobs: 5
+#                                   and 10% a JSON schema against the plain workload (needs the wheels
+#                                   of bench/server_wheels.sh carried in bench/out/wheels: xgrammar)
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -89,6 +93,13 @@ for stage in "$@"; do
       python3 bench/serve.py --peft-requests 2 --compare-sync --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
+    extras)
+      python3 -m pip install -q --no-index --find-links bench/out/wheels xgrammar jsonschema fastapi \
+        uvicorn prometheus_client openai httpx 2>&1 | tail -2
+      python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_logprobs.py tests/test_structured.py \
+        tests/test_penalties.py tests/test_server.py -k gpu 2>&1 | tee "$OUT/gpu_extras.log" | tail -6
+      python3 bench/serve.py --peft-requests 0 --logprobs-share 0.25 --json-share 0.1 \
+        --json "$OUT/serve_extras.json" 2>&1 | tee "$OUT/serve_extras.log" | grep -v Warning | tail -12 ;;
     loracost)
       python3 bench/profile_step.py 2>&1 | tee "$OUT/profile_step.log" | grep -v Warning | tail -30
       for rows in 64 512 2048; do

@@ -102,6 +102,21 @@ def parse_args() -> argparse.Namespace:
         help="also serve each engine's workload with async_scheduling off (every step's "
         "tokens read back before the next is scheduled), on the same captured graphs",
     )
+    p.add_argument(
+        "--logprobs-share",
+        type=float,
+        default=0.0,
+        help="share of requests asking for logprobs: 5 (with --json-share: the LoRA run is "
+        "served again with these, on the same graphs, and compared)",
+    )
+    p.add_argument(
+        "--json-share",
+        type=float,
+        default=0.0,
+        help="share of requests whose output follows a JSON schema (an object of one free "
+        "string, which random weights rarely close: the rows run their whole length), "
+        "compiled by xgrammar over the demo model's tokenizer",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default="bench/out/serve.json")
@@ -136,6 +151,29 @@ def workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dic
     return out
 
 
+def mark_extras(args: argparse.Namespace, reqs: list[dict]) -> None:
+    """Draw which requests ask for logprobs or a JSON schema (a generator of their own:
+    the prompts and adapters stay those of the plain workload)."""
+    rng = random.Random(args.seed + 1)
+    for r in reqs:
+        x = rng.random()
+        r["logprobs"] = x < args.logprobs_share
+        r["json"] = args.logprobs_share <= x < args.logprobs_share + args.json_share
+
+
+def json_grammar(vocab: int):
+    """The JSON rows' grammar: ``{"text": "..."}``, over the demo model's tokenizer (ids
+    past its 1,024 are never allowed)."""
+    from transformers import AutoTokenizer
+
+    from lora_graph.grammar import GrammarCompiler
+
+    root = Path(__file__).resolve().parents[1]
+    tokenizer = AutoTokenizer.from_pretrained(root / "examples" / "assets" / "base")
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    return GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id]).json_schema(schema)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -143,11 +181,24 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict:
-    """Feed the requests at their arrival times, step until all finish; the metrics."""
+def serve(
+    engine, reqs: list[dict], output_len: int, *, base_only: bool, extras: bool = False,
+    grammar=None,
+) -> dict:  # fmt: skip
+    """Feed the requests at their arrival times, step until all finish; the metrics (with
+    ``extras``, the requests marked by :func:`mark_extras` ask for logprobs or follow
+    ``grammar``; the ``plain_`` metrics are those of the unmarked, either way)."""
     from lora_graph.engine import Request, SamplingParams
 
-    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+    plain = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
+
+    def params(r: dict) -> SamplingParams:
+        if not extras or not (r.get("logprobs") or r.get("json")):
+            return plain
+        if r["logprobs"]:
+            return SamplingParams(max_new_tokens=output_len, ignore_eos=True, logprobs=5)
+        return SamplingParams(max_new_tokens=output_len, grammar=grammar)
+
     pending = list(reqs)
     start = time.perf_counter()
     outputs = {}
@@ -156,7 +207,7 @@ def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict
         while pending and pending[0]["arrival"] <= now:
             r = pending.pop(0)
             engine.add_request(
-                Request(r["id"], r["prompt"], None if base_only else r["adapter"], params)
+                Request(r["id"], r["prompt"], None if base_only else r["adapter"], params(r))
             )
         if engine.has_unfinished():
             engine.step()
@@ -178,7 +229,15 @@ def serve(engine, reqs: list[dict], output_len: int, *, base_only: bool) -> dict
         for o in outputs.values()
         for a, b in zip(o.token_times, o.token_times[1:], strict=False)
     ]
+    extra = {r["id"] for r in reqs if r.get("logprobs") or r.get("json")}
+    free = [o for i, o in outputs.items() if i not in extra]
+    plain_itl = [
+        b - a for o in free for a, b in zip(o.token_times, o.token_times[1:], strict=False)
+    ]
     return dict(
+        plain_ttft_p50_ms=1e3 * pct([o.ttft for o in free], 0.5),
+        plain_itl_p50_ms=1e3 * pct(plain_itl, 0.5),
+        json_tokens=sum(len(outputs[i].token_ids) for i in extra if i in outputs),
         wall_s=wall,
         output_tok_s=generated / wall,
         total_tok_s=(generated + prompt) / wall,
@@ -274,6 +333,7 @@ def main() -> None:
     if args.side_stream_rows is not None:
         policy = KernelPolicy(side_stream_max_rows=args.side_stream_rows)
     reqs = workload(args, names, shapes["vocab_size"])
+    mark_extras(args, reqs)
     print(
         f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "
         f"{statistics.mean(len(r['prompt']) for r in reqs):.0f}), {args.output_len} new tokens "
@@ -313,6 +373,16 @@ def main() -> None:
         m["capture_s"] = capture
         results["runs"][label] = m
         print(f"{label}: {summary(m)}", flush=True)
+        if lora is not None and (args.logprobs_share or args.json_share):
+            engine = LLMEngine(pipe, async_scheduling=True)
+            grammar = json_grammar(shapes["vocab_size"]) if args.json_share else None
+            n_lp = sum(r["logprobs"] for r in reqs)
+            n_json = sum(r["json"] for r in reqs)
+            m = serve(engine, reqs, args.output_len, base_only=False, extras=True, grammar=grammar)
+            m["capture_s"] = capture
+            label_x = f"{label} + logprobs:5 ({n_lp}) + JSON ({n_json})"
+            results["runs"][label_x] = m
+            print(f"{label_x}: {summary(m)}", flush=True)
         if args.compare_sync:
             engine = LLMEngine(pipe, async_scheduling=False)
             m = serve(engine, reqs, args.output_len, base_only=base_only)
@@ -347,6 +417,14 @@ def main() -> None:
     if "base" in results["runs"]:
         ratio = results["runs"]["lora"]["wall_s"] / results["runs"]["base"]["wall_s"]
         print(f"\nLoRA mixed / base-only wall time: {ratio:.2f}")
+    extra = [k for k in results["runs"] if "logprobs:5" in k]
+    if extra:
+        lora, x = results["runs"]["lora"], results["runs"][extra[0]]
+        print(
+            f"with logprobs and JSON / without: wall {x['wall_s'] / lora['wall_s']:.3f}, the "
+            f"plain requests' ITL p50 {x['plain_itl_p50_ms'] / lora['plain_itl_p50_ms']:.3f}, "
+            f"TTFT p50 {x['plain_ttft_p50_ms'] / lora['plain_ttft_p50_ms']:.3f}"
+        )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -145,11 +145,16 @@ def test_benchmark_smoke(script, tmp_path):
 
 
 def test_serve_smoke_with_arrivals(tmp_path):
-    """bench/serve.py with its own flags, asynchronous scheduling compared with sync."""
-    args = ["--smoke", "--rate", "8", "--skip-base", "--peft-requests", "0", "--compare-sync"]
+    """bench/serve.py with its own flags, asynchronous scheduling compared with sync, and
+    the workload served again with logprobs and JSON-schema requests among the others."""
+    args = ["--smoke", "--rate", "8", "--skip-base", "--peft-requests", "0", "--compare-sync",
+            "--logprobs-share", "0.25", "--json-share", "0.25"]  # fmt: skip
     proc = run_bench("serve.py", [*args, "--json", str(tmp_path / "out.json")], tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert "| lora |" in proc.stdout and "| lora (sync) |" in proc.stdout
+    assert "| lora + logprobs:5 (" in proc.stdout and "with logprobs and JSON / without" in (
+        proc.stdout
+    )
 
 
 @pytest.mark.parametrize(
