@@ -37,6 +37,7 @@ from lora_graph.requests import (
     check_text,
 )
 from lora_graph.sampling import (
+    Staging,
     pack_logprobs,
     process_logits,
     sample,
@@ -168,6 +169,12 @@ class LLMEngine:
             )
             for _ in range(2)
         ]
+        # a step's small host-to-device inputs (indices, histories, grammar bitmasks)
+        vocab = pipeline.config.vocab_size
+        self._staging = Staging(
+            pipeline.device,
+            pipeline.max_batch_size * ((vocab + 31) // 32 + 4 * pipeline.max_seq_len + 16),
+        )
         #: the log-probabilities of the tokens the last :meth:`step` returned, one each
         #: (None for a request that did not ask)
         self.step_logprobs: list[TokenLogprob | None] = []
@@ -482,6 +489,7 @@ class LLMEngine:
             if len(tokens) < n:  # a decode whose input the previous step sampled
                 row, tokens = fed[id(s)], [0]
             chunks.append(SeqChunk(s.adapter, tokens, s.computed, s.pages, s, row))
+        self._staging.begin(self._steps_run)
         # a step computing a prompt whose logprobs are asked returns every token's logits
         prompt_lp = any(
             c.owner.request.sampling.prompt_logprobs is not None
@@ -497,7 +505,7 @@ class LLMEngine:
         if inputs.all_logits:
             every = logits
             ends = torch.tensor([len(c.token_ids) for c in inputs.chunks]).cumsum(0) - 1
-            logits = every[ends.to(every.device)]
+            logits = every[self._staging(ends)]
         # requests whose tokens are all computed sample their next one: on the device, the
         # NaN check and the greedy token of every row, copied to the host without waiting
         rows = [
@@ -517,10 +525,10 @@ class LLMEngine:
         processed = [(i, s) for i, s in zip(rows, seqs, strict=True)
                      if s.request.sampling.processes_logits and not s.done]  # fmt: skip
         if processed:  # their rows only; every other row is the step's own, bit for bit
-            index = torch.tensor([i for i, _ in processed], device=logits.device)
+            index = self._staging(torch.tensor([i for i, _ in processed]))
             histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
                          for _, s in processed]  # fmt: skip
-            new = process_logits(logits[index], histories, set(self.eos_token_ids))
+            new = process_logits(logits[index], histories, set(self.eos_token_ids), self._staging)
             held = [
                 j
                 for j, (_, s) in enumerate(processed)
@@ -530,7 +538,7 @@ class LLMEngine:
                 mask = allocate_bitmask(len(processed), new.shape[1])
                 for j in held:
                     processed[j][1].matcher.fill_next_token_bitmask(mask, j)
-                new = apply_bitmask(new, mask)
+                new = apply_bitmask(new, self._staging(mask))
             logits = logits[:width].float().index_copy(0, index, new)
         device = torch.stack(
             (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
@@ -568,7 +576,7 @@ class LLMEngine:
         if not want:
             return
         k = max(k for _, k in want)
-        index = torch.tensor([row for row, _ in want], device=logits.device)
+        index = self._staging(torch.tensor([row for row, _ in want]))
         packed = pack_logprobs(logits[index], step.device[1][index], k)
         buffer = self._logprob_readback[self._steps_run % 2][: packed.numel()]
         host = buffer.view(packed.shape)

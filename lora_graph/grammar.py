@@ -114,8 +114,8 @@ def allocate_bitmask(rows: int, vocab_size: int) -> Tensor:
 
 def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     """``logits`` ``[R, vocab]`` with the tokens whose bit is 0 in ``bitmask``
-    ``[R, ceil(vocab / 32)]`` (int32, on the host or the device) set to -inf."""
+    ``[R, ceil(vocab / 32)]`` (int32, on ``logits``' device) set to -inf."""
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    words = bitmask.to(logits.device, non_blocking=True)
+    words = bitmask
     allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
     return logits.masked_fill(~allowed, float("-inf"))

@@ -4,6 +4,7 @@ reported with it (:func:`pack_logprobs`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -71,7 +72,10 @@ def token_logprob(logits: Tensor, token: int, k: int) -> TokenLogprob:
 
 
 def process_logits(
-    logits: Tensor, histories: list[tuple[SamplingParams, list[int], list[int]]], stop: set[int]
+    logits: Tensor,
+    histories: list[tuple[SamplingParams, list[int], list[int]]],
+    stop: set[int],
+    to_device: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """The logits of rows whose requests ask for logits processing (:attr:`SamplingParams.
     processes_logits`), processed as :class:`SamplingParams` says (vLLM's order:
@@ -82,12 +86,15 @@ def process_logits(
         logits: ``[R, vocab]``, one row each of ``histories`` (not changed).
         histories: per row, ``(sampling, prompt token ids, generated token ids)``.
         stop: EOS ids (``min_tokens`` holds them back unless ``ignore_eos``).
+        to_device: moves a host tensor to ``logits``' device (the engine's pinned staging,
+            which does not make the host wait for the device; default: ``Tensor.to``).
 
     Returns:
         float32 ``[R, vocab]``.
     """
     out = logits.float().clone()
     device, (rows, vocab) = out.device, out.shape
+    put = to_device or (lambda t: t.to(device))
     bias_rows, bias_ids, bias_values, masked_rows, masked_ids = [], [], [], [], []
     for i, (s, _, generated) in enumerate(histories):
         for token, value in s.logit_bias:
@@ -99,11 +106,11 @@ def process_logits(
             masked_rows += [i] * len(held)
             masked_ids += sorted(held)
     if bias_rows:
-        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
-        out.index_put_(index, torch.tensor(bias_values, device=device), accumulate=True)
+        index = put(torch.tensor([bias_rows, bias_ids]))
+        out.index_put_((index[0], index[1]), put(torch.tensor(bias_values)), accumulate=True)
     if masked_rows:
-        index = (torch.tensor(masked_rows, device=device), torch.tensor(masked_ids, device=device))
-        out.index_put_(index, torch.tensor(float("-inf"), device=device))
+        index = put(torch.tensor([masked_rows, masked_ids]))
+        out.index_put_((index[0], index[1]), torch.tensor(float("-inf")))
 
     def counts(tokens: list[list[int]]) -> Tensor:
         """``[R, vocab]`` float32: how often each token occurs in each row's list."""
@@ -114,17 +121,59 @@ def process_logits(
             ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             weight[i, : len(t)] = 1
         c = torch.zeros(rows, vocab, device=device)
-        return c.scatter_add_(1, ids.to(device), weight.to(device))
+        return c.scatter_add_(1, put(ids), put(weight))
+
+    def per_row(name: str) -> Tensor:
+        return put(torch.tensor([float(getattr(s, name)) for s, _, _ in histories]))[:, None]
 
     if any(s.repetition_penalty != 1.0 for s, _, _ in histories):
         seen = counts([p + g for _, p, g in histories]) > 0
-        penalty = torch.tensor([s.repetition_penalty for s, _, _ in histories], device=device)
-        penalty = penalty[:, None]
+        penalty = per_row("repetition_penalty")
         penalized = torch.where(out > 0, out / penalty, out * penalty)
         out = torch.where(seen, penalized, out)
     if any(s.frequency_penalty or s.presence_penalty for s, _, _ in histories):
         occurs = counts([g for _, _, g in histories])
-        frequency = torch.tensor([s.frequency_penalty for s, _, _ in histories], device=device)
-        presence = torch.tensor([s.presence_penalty for s, _, _ in histories], device=device)
-        out = out - frequency[:, None] * occurs - presence[:, None] * (occurs > 0).float()
+        frequency, presence = per_row("frequency_penalty"), per_row("presence_penalty")
+        out = out - frequency * occurs - presence * (occurs > 0).float()
     return out
+
+
+class Staging:
+    """Pinned host buffers for a step's small host-to-device inputs (row indices, penalty
+    histories, grammar bitmasks), two used in turn by step parity: a copy from pageable
+    memory would make the host wait for everything queued before it (the step's forward),
+    which is what asynchronous scheduling avoids. A buffer is reused two steps later,
+    after that step's read-back has waited for its copies. Off CUDA: plain ``.to``.
+
+    Args:
+        device: where the steps run.
+        words: 4-byte words a step may stage (more falls back to a fresh pinned copy).
+    """
+
+    def __init__(self, device: torch.device, words: int) -> None:
+        self.device = device
+        pin = device.type == "cuda"
+        self._buffers = [torch.empty(words, dtype=torch.int32, pin_memory=True)
+                         for _ in range(2)] if pin else []  # fmt: skip
+        self._turn = 0
+        self._used = 0
+
+    def begin(self, step: int) -> None:
+        """Start staging step number ``step``."""
+        self._turn, self._used = step % 2, 0
+
+    def __call__(self, t: Tensor) -> Tensor:
+        """``t`` (a host tensor of 4- or 8-byte elements) on the device, queued without
+        waiting."""
+        if not self._buffers:
+            return t.to(self.device)
+        t = t.contiguous()
+        words = t.view(-1).view(torch.int32)
+        n = words.numel()
+        buffer = self._buffers[self._turn]
+        if self._used + n > buffer.numel():
+            return t.pin_memory().to(self.device, non_blocking=True)
+        staged = buffer[self._used : self._used + n]
+        self._used += -(-n // 4) * 4  # 16-byte aligned
+        staged.copy_(words)
+        return staged.to(self.device, non_blocking=True).view(t.dtype).view(t.shape)
