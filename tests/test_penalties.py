@@ -30,7 +30,7 @@ class OpenAIPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def hf_generate(ref, ids: list[int], adapter: str | None, eos: int, **kw) -> list[int]:
+def hf_generate(ref, ids: list[int], adapter: str | None, eos: int, n: int = N, **kw) -> list[int]:
     """transformers' greedy ``generate`` through peft with the processors ``kw`` names."""
     from transformers import LogitsProcessorList
 
@@ -40,7 +40,7 @@ def hf_generate(ref, ids: list[int], adapter: str | None, eos: int, **kw) -> lis
             OpenAIPenalties(len(ids), kw.pop("presence", 0.0), kw.pop("frequency", 0.0))
         )
     x = torch.tensor([ids])
-    args = dict(max_new_tokens=N, do_sample=False, eos_token_id=eos, pad_token_id=0,
+    args = dict(max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
                 logits_processor=processors, attention_mask=torch.ones_like(x), **kw)  # fmt: skip
     with torch.no_grad():
         if adapter is None:
@@ -93,6 +93,26 @@ def test_each_control_equals_transformers_generate(tiny, reference_factory, asyn
     for i in range(len(CASES), len(reqs)):
         assert outs[i].token_ids == alone[i].token_ids
         assert [e.logprob for e in outs[i].logprobs] == [e.logprob for e in alone[i].logprobs]
+
+
+def test_controls_survive_preemption(tiny, reference_factory):
+    """A pool too small for the batch: requests are preempted and recomputed; their
+    penalties still see their whole history (transformers' generate, token for token)."""
+    ref = reference_factory(tiny)
+    pipe = make_pipeline(tiny, max_batch_size=4, max_seq_len=40, kv_cache_tokens=48, page_size=4)
+    batch = prompts(4, seed=612, min_len=8, max_len=14)
+    adapters = ["A", "B", None, "D"]
+    eos = 0  # (never chosen here: the prompts' tokens are >= 3)
+    reqs, want = [], []
+    for i, (ids, adapter) in enumerate(zip(batch, adapters, strict=True)):
+        ours, theirs = CASES[i]
+        reqs.append(Request(f"p{i}", ids, adapter, SamplingParams(16, **ours)))
+        want.append(hf_generate(ref, ids, adapter, eos, 16, **theirs))
+    engine = LLMEngine(pipe, eos_token_ids=(eos,))
+    outs = engine.generate(reqs)
+    assert engine.preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    assert pipe.pages.num_free == pipe.pages.capacity
 
 
 def test_min_p_keeps_what_transformers_min_p_keeps():

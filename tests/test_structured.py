@@ -153,6 +153,28 @@ def test_json_object_choice_and_ebnf(served):
         assert all(matcher.accept_token(t) for t in out.token_ids)
 
 
+def test_constrained_requests_survive_preemption(served):
+    """A KV cache of 96 positions for 8 requests of up to 40 tokens: requests are
+    preempted and recomputed; their grammars (matchers advanced by the tokens read) still
+    hold every output to its schema."""
+    _, tokenizer, compiler = served
+    engine, _ = build_engine(
+        str(ASSETS / "base"), [f"{a}={ASSETS / 'adapters' / a}" for a in ADAPTERS if a],
+        max_loras=4, max_lora_rank=64, dtype="float32", device="cpu", max_batch_size=8,
+        max_seq_len=48, max_num_batched_tokens=32, kv_cache_tokens=96, progress=False,
+    )  # fmt: skip
+    grammar = compiler.json_schema(SCHEMAS[0])
+    ids = tokenizer("Answer in JSON:")["input_ids"]
+    reqs = [Request(f"p{i}", ids, ADAPTERS[i % 4], SamplingParams(40, temperature=1.0,
+                    seed=i, grammar=grammar)) for i in range(8)]  # fmt: skip
+    outs = engine.generate(reqs)
+    assert engine.preemptions > 0
+    for out in outs:
+        assert out.error is None and out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(tokenizer.decode(out.token_ids, skip_special_tokens=True)),
+                            SCHEMAS[0])  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
