@@ -7,7 +7,7 @@ sends ``--requests`` completions from ``--clients`` concurrent clients, spread o
 base model and the adapters: some stream, some stream and hang up after their first
 chunk; halfway through, one adapter is loaded (``/v1/load_lora_adapter``) and another
 unloaded. Every request must either complete with the offline engine's greedy output for
-the same prompt and adapter, or get a clear 400 (an adapter not loaded yet, or no longer);
+the same prompt and adapter, or get a clear 404 or 400 (an adapter not loaded yet, or no longer);
 none may be lost (no answer, a 5xx, a wrong text) or answered twice. In bfloat16 a greedy
 output depends on the batch it ran in (a GEMM over other rows rounds differently; random
 weights give many near ties), so an answer that differs from the offline one is checked
@@ -291,15 +291,15 @@ def main() -> None:
             outcome, text, timing = results.get(i, ("lost", "", None))
             if outcome == "ok" and text != refs[i]:
                 outcome = "differs"  # checked teacher-forced below
-            # an adapter not loaded yet, or unloaded: refused up front (by the server, or by
-            # the engine if unloaded in between), or, for a request queued when its adapter
-            # was unloaded, an error event in its stream
+            # an adapter not loaded yet, or unloaded: refused up front (404 model_not_found
+            # by the server, or 400 by the engine if unloaded in between), or, for a request
+            # queued when its adapter was unloaded, an error event in its stream
             clear = (
-                outcome in ("http 400", "stream error")
+                outcome in ("http 404", "http 400", "stream error")
                 and adapter in (late, leaving)
                 and any(m in text for m in ("does not exist", "unknown adapter", "was unloaded"))
             )
-            if outcome in ("stream error", "http 400") and not clear:
+            if outcome in ("stream error", "http 400", "http 404") and not clear:
                 print(f"  request {i} ({adapter}): {outcome} {text!r}")
             if clear:
                 outcome = "refused (adapter not loaded)"

@@ -31,6 +31,19 @@ TEMPLATE = (
 )
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+DAYS = {"type": "integer", "minimum": 1, "maximum": 7}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": DAYS},
+    "required": ["city", "days"]}}}  # fmt: skip
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}
+
+
 class Server:
     def __init__(self) -> None:
         self.engine, self.tokenizer = build_engine(
@@ -57,9 +70,9 @@ class Server:
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def chat_ids(self, messages: list[dict], **kw) -> list[int]:
+    def chat_ids(self, messages: list[dict], template: str = TEMPLATE, **kw) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, chat_template=TEMPLATE, tokenize=False, **kw
+            messages, chat_template=template, tokenize=False, **kw
         )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -83,6 +96,10 @@ def srv():
     s.controls = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
                       logit_bias=((first, -100.0),), min_tokens=3)  # fmt: skip
     s.controlled = s.greedy(s.ids[1], "pirate", 6, **s.controls)
+    with_tools = s.chat_ids(
+        hello, TOOLS_TEMPLATE, tools=[WEATHER, TIME], add_generation_prompt=True
+    )
+    s.tools_ref = s.greedy(with_tools, "pirate", 8)
     app = S.create_app(s.engine, s.tokenizer, s.config)
     with TestClient(app) as http:
         s.http = http
@@ -458,3 +475,73 @@ def test_structured_output_through_the_sdk(srv):
                          ({"type": "json_schema"}, "needs json_schema.schema")]:  # fmt: skip
         err = post(srv, "/v1/chat/completions", {**body, "response_format": fmt}, 400)
         assert message in err["error"]["message"]
+
+
+# ---- tools ------------------------------------------------------------------------------
+def test_hermes_tool_calls_are_parsed():
+    from lora_graph.server.tools import parse_tool_calls
+
+    text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call><tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}'
+            "</tool_call><tool_call>not json</tool_call>")  # fmt: skip
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check.<tool_call>not json</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]  # fmt: skip
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+
+
+def test_tool_choice_named_required_auto_and_streamed(srv):
+    """A named function and ``required`` go through structured output: one call whose
+    arguments follow its schema; ``auto`` lets the model write (this tiny model writes no
+    call: the content is its greedy text over the template with the tools); streamed, the
+    call comes as a ``tool_calls`` delta at the end."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    hello = [{"role": "user", "content": "Hello"}]
+    srv.config.chat_template = TOOLS_TEMPLATE
+    try:
+        sdk = client(srv)
+        for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+            r = sdk.chat.completions.create(model="pirate", messages=hello, max_tokens=90,
+                                            tools=[WEATHER, TIME], tool_choice=choice)  # fmt: skip
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            (call,) = c.message.tool_calls
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments),
+                                tool["function"]["parameters"])  # fmt: skip
+            if choice != "required":
+                assert call.function.name == "get_weather"
+        r = sdk.chat.completions.create(model="pirate", messages=hello, max_tokens=8,
+                                        temperature=0, tools=[WEATHER, TIME])  # fmt: skip
+        assert r.choices[0].message.content == srv.text(srv.tools_ref)
+        assert not r.choices[0].message.tool_calls
+        chunks = list(sdk.chat.completions.create(
+            model="pirate", messages=hello, max_tokens=90, tools=[WEATHER], stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}))  # fmt: skip
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        last = [c for c in chunks if c.choices][-1].choices[0]
+        assert last.finish_reason == "tool_calls"
+        assert last.delta.tool_calls[0].function.name == "get_weather"
+        json.loads(last.delta.tool_calls[0].function.arguments)
+        for body, message in [
+            (
+                {
+                    "tools": [WEATHER],
+                    "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                },
+                "tool_choice names no given tool",
+            ),  # fmt: skip
+            ({"tool_choice": "required"}, "tool_choice needs tools"),
+            ({"tools": [{"type": "function", "function": {}}]}, "function.name is missing"),
+        ]:
+            err = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": hello, **body},
+                       400)  # fmt: skip
+            assert message in err["error"]["message"], err
+    finally:
+        srv.config.chat_template = TEMPLATE
+    err = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": hello,
+               "tools": [WEATHER]}, 400)  # fmt: skip
+    assert "the model's chat template takes no tools" in err["error"]["message"]

@@ -28,6 +28,7 @@ class Choice:
     logprobs_sent: int = 0  # of ``logprobs``, in parts sent
     chars_sent: int = 0  # of the text (echo included), in parts sent
     started: bool = False  # its first part was sent
+    tool_sent: int = 0  # characters of its text streamed as content (with tools)
 
     def on_token(self, token: int, tokenizer: Any) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the

@@ -58,8 +58,6 @@ def _h(kind: str, doc: str, **kw: Any) -> Rule:
     return Rule(kind, doc, frozenset({CHAT}), **kw)
 
 
-_NO_TOOLS = "tool calling is not served yet"
-
 #: Every known request field of completions and chat, by name (OpenAI's, then vLLM's).
 FIELDS: dict[str, Rule] = {
     # ---- OpenAI, both routes ---------------------------------------------------------
@@ -113,8 +111,16 @@ FIELDS: dict[str, Rule] = {
         "`json_object` (any JSON object) or `json_schema` (its `schema`), through "
         "xgrammar; a schema it refuses is a 400 naming why",
     ),
-    "tools": _h(NOOP, _NO_TOOLS, noop=([],)),
-    "tool_choice": _h(NOOP, _NO_TOOLS, noop=("none",)),
+    "tools": _h(
+        SERVED,
+        "function tools, rendered by the chat template (a template that takes none: "
+        "400); calls parsed from the Hermes / Qwen2.5 `<tool_call>` format",
+    ),
+    "tool_choice": _h(
+        SERVED,
+        "`none`, `auto` (default with tools), `required` or a named function: those two "
+        "through structured output, the arguments following the function's schema",
+    ),
     "parallel_tool_calls": _h(IGNORED, "meaningful only with tools"),
     "functions": _h(REFUSED, "deprecated by OpenAI for `tools`; not served"),
     "function_call": _h(REFUSED, "deprecated by OpenAI for `tool_choice`; not served"),
