@@ -45,7 +45,7 @@ from lora_graph.sampling import (
     unpack_logprob,
 )
 from lora_graph.scheduler import Scheduler
-from lora_graph.step import SeqChunk
+from lora_graph.step import ModelInputs, SeqChunk
 
 __all__ = [
     "MIN_TEMPERATURE",
@@ -490,22 +490,10 @@ class LLMEngine:
                 row, tokens = fed[id(s)], [0]
             chunks.append(SeqChunk(s.adapter, tokens, s.computed, s.pages, s, row))
         self._staging.begin(self._steps_run)
-        # a step computing a prompt whose logprobs are asked returns every token's logits
-        prompt_lp = any(
-            c.owner.request.sampling.prompt_logprobs is not None
-            and c.start + 1 < len(c.owner.request.prompt_token_ids)
-            for c in chunks
-        )
         inputs = self.pipeline.prepare(
-            chunks,
-            fed_tokens=previous.device[1] if previous is not None else None,
-            all_logits=prompt_lp,
+            chunks, fed_tokens=previous.device[1] if previous is not None else None
         )
         logits = self.pipeline.execute(inputs)
-        if inputs.all_logits:
-            every = logits
-            ends = torch.tensor([len(c.token_ids) for c in inputs.chunks]).cumsum(0) - 1
-            logits = every[self._staging(ends)]
         # requests whose tokens are all computed sample their next one: on the device, the
         # NaN check and the greedy token of every row, copied to the host without waiting
         rows = [
@@ -555,8 +543,7 @@ class LLMEngine:
             step.done = torch.cuda.Event()
             step.done.record()
         self._steps_run += 1
-        if inputs.all_logits:
-            self._prompt_logprobs(inputs.chunks, every)
+        self._prompt_logprobs(inputs)
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
             c.owner.computed += len(c.token_ids)
@@ -584,14 +571,15 @@ class LLMEngine:
         step.logprobs, step.logprobs_k = host, k
         step.logprob_rows = {row: j for j, (row, _) in enumerate(want)}
 
-    def _prompt_logprobs(self, chunks: list[SeqChunk], every: Tensor) -> None:
-        """Record the prompt-token log-probabilities a step computed (``every``: float32
-        ``[T, vocab]``, the logits of each token of the step): the token at position
-        ``p + 1`` of a prompt under the logits at ``p``. A prompt computed again after a
-        preemption writes the same values again."""
+    def _prompt_logprobs(self, inputs: ModelInputs) -> None:
+        """Record the prompt-token log-probabilities a step computed, for the requests
+        that ask: the token at position ``p + 1`` of a prompt under the logits at ``p``,
+        those rows' logits taken from the step's hidden states (:meth:`PipelineModel.
+        logits_at`; the step itself ran as any other, captured or not). A prompt computed
+        again after a preemption writes the same values again."""
         rows, targets, owners = [], [], []
         offset = 0
-        for c in chunks:
+        for c in inputs.chunks:
             seq = c.owner
             k = seq.request.sampling.prompt_logprobs
             prompt = seq.request.prompt_token_ids
@@ -604,8 +592,8 @@ class LLMEngine:
         if not rows:
             return
         width = max(k for _, _, k in owners)
-        index = torch.tensor(rows, device=every.device)
-        packed = pack_logprobs(every[index], torch.tensor(targets, device=every.device), width)
+        logits = self.pipeline.logits_at(inputs, rows)
+        packed = pack_logprobs(logits, torch.tensor(targets).to(logits.device), width)
         for values, token, (seq, position, k) in zip(packed.tolist(), targets, owners,
                                                      strict=True):  # fmt: skip
             seq.prompt_logprobs[position] = unpack_logprob(values, token, k, width)

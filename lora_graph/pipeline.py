@@ -13,8 +13,9 @@ graphs :mod:`lora_graph.compile`'s.
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -394,6 +395,37 @@ class PipelineModel(abc.ABC):
             with torch.compiler.set_stance("force_eager"):
                 return self._execute_eager(inputs)
         return self._execute_eager(inputs)
+
+    @torch.inference_mode()
+    def logits_at(self, inputs: ModelInputs, rows: Sequence[int]) -> Tensor:
+        """Float32 logits ``[R, vocab]`` of the step's tokens ``rows`` (indices into the
+        step's tokens, in step order), from the hidden states the last :meth:`execute` of
+        ``inputs`` left (``step_hidden``; captured or eager alike), through the final norm
+        and the LM head with each row's adapter. Only those rows pay the LM head; the step
+        itself ran as any other.
+
+        Raises:
+            ValueError: if the model keeps no hidden states (not a decoder).
+        """
+        hidden = getattr(self.model, "step_hidden", None)
+        if hidden is None:
+            raise ValueError("this model keeps no per-token hidden states")
+        index = torch.tensor(list(rows), dtype=torch.long)
+        x = hidden[index.to(hidden.device, non_blocking=True)]
+        routing = None
+        if inputs.routing is not None and self.manager is not None:
+            # each chunk's rows among ``rows``: a routing by token over them alone
+            ends = list(itertools.accumulate(len(c.token_ids) for c in inputs.chunks))
+            counts = [0] * len(inputs.chunks)
+            k = 0
+            for r in rows:
+                while r >= ends[k]:
+                    k += 1
+                counts[k] += 1
+            offsets = [0, *itertools.accumulate(counts)]
+            routing = self.manager.route(inputs.chunks, offsets)
+        model = cast(Any, self.model)
+        return cast(Tensor, model.final_logits(model.lm_head(model.norm(x)[None], routing)[0]))
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:
         kwargs: dict[str, Tensor | None] = dict(inputs.inputs)

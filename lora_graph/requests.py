@@ -31,9 +31,9 @@ class SamplingParams:
             adapter, before temperature, top-k/top-p and any logits processing; vLLM's
             default, ``raw_logprobs``).
         prompt_logprobs: None, or the same for every prompt token (the first has none): the
-            log-softmax at the position before it. The steps that compute such a
-            request's prompt return every token's logits (an eager step, whatever its
-            width); other steps are unchanged.
+            log-softmax at the position before it. A step computing such a prompt runs as
+            any other (captured or not); then the LM head runs again for those prompt
+            positions alone, from the hidden states the step left.
         presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: each token's logit
             minus ``frequency_penalty`` times its count among the generated tokens, minus
             ``presence_penalty`` if it occurs there at all.

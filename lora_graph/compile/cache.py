@@ -242,9 +242,15 @@ class GraphCache:
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph, pool=self._mempool):
                 out = fn()
+            # the tokens' hidden states the captured forward left (a decoder's step_hidden),
+            # refilled in place by each replay
+            hidden = getattr(self.pipeline.model, "step_hidden", None)
+            model = self.pipeline.model
 
             def replay(g: torch.cuda.CUDAGraph = cuda_graph, out: Tensor = out) -> Tensor:
                 g.replay()
+                if hidden is not None:
+                    model.step_hidden = hidden
                 return out
 
             graph.runner = replay

@@ -273,7 +273,9 @@ class LlamaModel(nn.Module):
                 LoRA layer; None for a base-only step.
 
         Returns:
-            float32 logits ``[S, vocab]`` (``[T, vocab]`` when ``logits_index`` is None).
+            float32 logits ``[S, vocab]`` (``[T, vocab]`` when ``logits_index`` is None);
+            every token's hidden state before the final norm stays in ``step_hidden``
+            ``[T, hidden]``.
         """
         x = self.embed(tokens.long(), routing)
         positions = positions.long()
@@ -283,6 +285,9 @@ class LlamaModel(nn.Module):
         attn = AttentionMetadata(slot_mapping.long(), block_tables, seq_lens, query_start)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, routing)
+        # every token's final hidden state, before the norm: the pipeline's logits_at reads
+        # other positions' logits from it (a captured graph's replay refills it in place)
+        self.step_hidden = x
         if logits_index is None:
             # [1, T, hidden]: a per-segment LM head routes a 3-D input by token
             return self.final_logits(self.lm_head(self.norm(x)[None], routing)[0])
