@@ -83,6 +83,14 @@ class _InFlight:
     raw_hot: dict[int, Tensor] = field(default_factory=dict)  # unprocessed, for logprobs
 
 
+# the read-back flags of a row that samples nothing: its request fails alone
+_ROW_ERRORS = {
+    1: "the model produced NaN logits for this request",  # its numerics (a half overflow)
+    2: "no token is allowed for this request (its grammar, min_tokens and stop tokens leave none)",
+    3: "the model produced NaN logits for this request",
+}
+
+
 def default_async_scheduling(device: torch.device) -> bool:
     """Whether :class:`LLMEngine` schedules asynchronously when not told: on CUDA, where a
     step is queued and runs while the host goes on; not on the CPU, where a step runs to
@@ -516,7 +524,14 @@ class LLMEngine:
             index = self._staging(torch.tensor([i for i, _ in processed]))
             histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
                          for _, s in processed]  # fmt: skip
-            new = process_logits(logits[index], histories, set(self.eos_token_ids), self._staging)
+            rows_in = logits[index]
+            eos = set(self.eos_token_ids)
+            new = process_logits(rows_in, histories, eos, self._staging)
+            # a row whose other constraints (its grammar) allow only its stop tokens while
+            # min_tokens holds them back: the stops win (else no token would be allowed)
+            free = None
+            if any(len(s.generated) < s.request.sampling.min_tokens for _, s in processed):
+                free = process_logits(rows_in, histories, eos, self._staging, hold_stops=False)
             held = [
                 j
                 for j, (_, s) in enumerate(processed)
@@ -526,11 +541,16 @@ class LLMEngine:
                 mask = allocate_bitmask(len(processed), new.shape[1])
                 for j in held:
                     processed[j][1].matcher.fill_next_token_bitmask(mask, j)
-                new = apply_bitmask(new, self._staging(mask))
+                mask = self._staging(mask)
+                new = apply_bitmask(new, mask)
+                free = apply_bitmask(free, mask) if free is not None else None
+            if free is not None:
+                new = torch.where(torch.isneginf(new).all(dim=-1, keepdim=True), free, new)
             logits = logits[:width].float().index_copy(0, index, new)
-        device = torch.stack(
-            (torch.isnan(logits[:width]).any(dim=-1).long(), logits[:width].argmax(dim=-1))
-        )
+        # per row: 1 NaN logits (the model's numerics), 2 every token masked; its greedy token
+        rows_of = logits[:width]
+        flags = torch.isnan(rows_of).any(dim=-1).long() + 2 * torch.isneginf(rows_of).all(dim=-1)
+        device = torch.stack((flags, rows_of.argmax(dim=-1)))
         host = self._readback[self._steps_run % 2][: 2 * width].view(2, width)
         host.copy_(device, non_blocking=host.is_pinned())
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
@@ -613,17 +633,17 @@ class LLMEngine:
             seq.pending -= 1
             if seq.done:  # finished while this step ran (aborted, or ended a step earlier)
                 continue
-            if bad_rows[row]:  # a fault of the model's numerics (a half-precision overflow)
+            error = _ROW_ERRORS.get(bad_rows[row])
+            token = greedy[row]
+            if error is None and row in step.hot:
+                try:
+                    token = sample(step.hot[row], seq.request.sampling, seq.generator)
+                except (ValueError, RuntimeError) as e:  # its own constraints: it alone fails
+                    error = f"sampling failed for this request: {e}"
+            if error is not None:
                 self._leave(seq)
-                self._finish(
-                    seq, self._output(seq, error="the model produced NaN logits for this request")
-                )
+                self._finish(seq, self._output(seq, error=error))
                 continue
-            token = (
-                greedy[row]
-                if row not in step.hot
-                else sample(step.hot[row], seq.request.sampling, seq.generator)
-            )
             if self._grammar_refuses(seq, token):
                 self._leave(seq)
                 error = f"token {token} does not continue the request's grammar"

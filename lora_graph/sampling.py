@@ -16,11 +16,16 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
     from the temperature-scaled distribution restricted by min-p, then top-k, then top-p.
 
+    Raises:
+        ValueError: if no token has a finite logit (every one masked).
+
     The logits are shifted so their maximum is 0 before the division by the temperature,
     so no value overflows: the most likely token always keeps a positive probability.
     """
     if params.temperature == 0:
         return int(torch.argmax(logits).item())
+    if not bool(torch.isfinite(logits).any()):
+        raise ValueError("no token is allowed (every logit is masked)")
     logits = (logits - logits.max()) / params.temperature
     if params.min_p > 0:  # (the most likely token has probability ratio 1: always kept)
         logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
@@ -76,6 +81,8 @@ def process_logits(
     histories: list[tuple[SamplingParams, list[int], list[int]]],
     stop: set[int],
     to_device: Callable[[Tensor], Tensor] | None = None,
+    *,
+    hold_stops: bool = True,
 ) -> Tensor:
     """The logits of rows whose requests ask for logits processing (:attr:`SamplingParams.
     processes_logits`), processed as :class:`SamplingParams` says (vLLM's order:
@@ -88,6 +95,8 @@ def process_logits(
         stop: EOS ids (``min_tokens`` holds them back unless ``ignore_eos``).
         to_device: moves a host tensor to ``logits``' device (the engine's pinned staging,
             which does not make the host wait for the device; default: ``Tensor.to``).
+        hold_stops: apply ``min_tokens`` (False: the same processing without it, for a row
+            whose other constraints allow only its stop tokens).
 
     Returns:
         float32 ``[R, vocab]``.
@@ -101,7 +110,7 @@ def process_logits(
             bias_rows.append(i)
             bias_ids.append(token)
             bias_values.append(float(value))
-        if len(generated) < s.min_tokens:
+        if hold_stops and len(generated) < s.min_tokens:
             held = set(s.stop_token_ids) | (set() if s.ignore_eos else stop)
             masked_rows += [i] * len(held)
             masked_ids += sorted(held)

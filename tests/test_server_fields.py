@@ -447,6 +447,25 @@ def test_best_of_returns_the_n_with_the_highest_cumulative_logprob(srv):
     assert err["message"] == "best_of must be in [n, 16] (n is 3), got 2"
 
 
+def test_constraints_that_allow_no_token_fail_alone_and_the_engine_serves_on(srv):
+    """A complete grammar while min_tokens holds EOS back: the grammar's end wins (it
+    killed the engine thread before); min_tokens with every token a stop token likewise;
+    the server serves on."""
+    pytest.importorskip("xgrammar")
+    for extra in ({"guided_choice": ["a"], "min_tokens": 5},
+                  {"guided_choice": ["a"], "min_tokens": 5, "temperature": 0},
+                  {"min_tokens": 3, "stop_token_ids": list(range(1024))}):  # fmt: skip
+        out = post(srv, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 30,
+                                             **extra})  # fmt: skip
+        assert out["choices"][0]["finish_reason"] == "stop", (extra, out)
+        if "guided_choice" in extra:
+            assert out["choices"][0]["text"] == "a"
+    assert srv.http.get("/health").status_code == 200
+    out = post(srv, "/v1/completions", {"model": MODEL, "prompt": srv.prompts[1],
+                                         "max_tokens": 6, "temperature": 0})  # fmt: skip
+    assert out["choices"][0]["text"] == srv.text(srv.refs[(1, None)])
+
+
 # ---- structured output ----------------------------------------------------------------
 def test_structured_output_through_the_sdk(srv):
     """``response_format`` ``json_schema`` (the ``openai`` SDK's), vLLM's
@@ -526,6 +545,12 @@ def test_tool_choice_named_required_auto_and_streamed(srv):
         assert last.finish_reason == "tool_calls"
         assert last.delta.tool_calls[0].function.name == "get_weather"
         json.loads(last.delta.tool_calls[0].function.arguments)
+        # a function of no parameters (left out, or {}: OpenAI's rule) is called with {}
+        for ping in ({"name": "ping"}, {"name": "ping", "parameters": {}}):
+            r = sdk.chat.completions.create(model="pirate", messages=hello, max_tokens=40,
+                                            tools=[{"type": "function", "function": ping}],
+                                            tool_choice="required")  # fmt: skip
+            assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
         for body, message in [
             (
                 {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -132,6 +133,10 @@ class EngineLoop:
                     self._on_step()
         except BaseException as e:  # noqa: BLE001 - a fault of the engine: fail every request
             self.error = e
+            logging.getLogger("lora_graph.server").exception(
+                "the engine failed; every request in flight is failed and the server answers "
+                "503 until it is restarted"
+            )
             for request_id, watcher in list(self._watchers.items()):
                 watcher.on_finish(RequestOutput(request_id, None, error=f"engine failed: {e!r}"))
             self._watchers.clear()

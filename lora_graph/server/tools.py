@@ -27,6 +27,7 @@ from lora_graph.server.protocol import APIError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN = "<tool_call>"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def check_tools(tools: list[dict[str, Any]], tool_choice: Any, template: str) -> str:
@@ -81,10 +82,11 @@ def call_schema(tools: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     for t in tools:
         fn = t["function"]
         if mode in ("required", fn["name"]):
+            # OpenAI's rule: parameters left out (or empty) is a function of none
+            params = fn.get("parameters") or NO_PARAMETERS
             options.append({
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]},
-                               "arguments": fn.get("parameters", {"type": "object"})},
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
                 "required": ["name", "arguments"],
             })  # fmt: skip
     return options[0] if len(options) == 1 else {"anyOf": options}
