@@ -364,6 +364,18 @@ def test_echo_with_logprobs_as_lm_evaluation_harness_asks(srv):
                 e = want.prompt_logprobs[p]
                 top = lp["top_logprobs"][p][srv.tokenizer.decode([e.top[0][0]])]
                 assert top == pytest.approx(e.top[0][1], abs=1e-5)
+    # vLLM's prompt scoring: max_tokens 0 with echo returns the prompt alone
+    body = {"model": "pirate", "prompt": srv.ids[0], "max_tokens": 0, "logprobs": 1, "echo": True}
+    out = post(srv, "/v1/completions", body)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(srv.ids[0]) and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [e.logprob for e in srv.lp["pirate"].prompt_logprobs[1:]], abs=1e-5
+    )
+    assert out["choices"][0]["text"] == srv.tokenizer.decode(srv.ids[0])
+    assert out["usage"]["completion_tokens"] == 0
+    err = post(srv, "/v1/completions", {**body, "echo": False}, 400)["error"]
+    assert "max_tokens must be at least 1" in err["message"]
     body = {"model": MODEL, "prompt": srv.prompts[1], "max_tokens": 6, "temperature": 0}
     text = post(srv, "/v1/completions", {**body, "echo": True})
     assert text["choices"][0]["text"] == srv.prompts[1] + srv.text(srv.refs[(1, None)])
