@@ -500,8 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--api-key",
         default=os.environ.get("LORA_GRAPH_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
-        "$LORA_GRAPH_API_KEY; none: anyone who can reach the port may use it)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $LORA_GRAPH_API_KEY; none: anyone who can reach the port may use it)",
     )
     srv.add_argument(
         "--api-key-metrics",
@@ -540,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens",
         type=int,
         default=16,
-        help="max_tokens of a request that gives none (default: 16, as OpenAI's completions)",
+        help="max_tokens of a completions request that gives none (default: 16, as OpenAI's; "
+        "a chat request without one may run to the end of the context, as OpenAI's and vLLM's)",
     )
     srv.add_argument(
         "--max-request-bytes",
