@@ -38,6 +38,7 @@ from lora_graph.requests import (
 )
 from lora_graph.sampling import (
     Staging,
+    generator_seed,
     pack_logprobs,
     process_logits,
     sample,
@@ -335,9 +336,8 @@ class LLMEngine:
         generator = None
         if s.temperature > 0:
             generator = torch.Generator()
-            generator.manual_seed(
-                s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
-            )
+            seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            generator.manual_seed(generator_seed(seed))
         seq = RequestState(request, generator, list(request.prompt_token_ids))
         seq.arrival = time.perf_counter()
         if s.grammar is not None:

@@ -12,6 +12,20 @@ from torch import Tensor
 from lora_graph.requests import SamplingParams, TokenLogprob
 
 
+def generator_seed(seed: int) -> int:
+    """The seed a request's ``torch.Generator`` takes for its ``seed`` in [0, 2**64): the
+    CPU generator (Mersenne Twister) keeps only 32 bits of a seed, so seeds that share
+    their low 32 bits drew the same tokens; a seed below 2**32 is kept as it is, a larger
+    one is mixed down to 32 bits (SplitMix64's finaliser), so seeds that differ only in
+    their high bits draw differently."""
+    if seed < 2**32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from float32 ``logits [vocab]``: argmax at temperature 0, else a draw
     from the temperature-scaled distribution restricted by min-p, then top-k, then top-p.

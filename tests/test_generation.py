@@ -27,6 +27,21 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(tiny, reference_f
     assert out == ref.greedy(ids, "A", 12)
 
 
+def test_seeds_differing_in_their_high_bits_draw_differently(tiny):
+    """The CPU generator keeps 32 bits of a seed: 5, 5 + 2**32 and 2**63 + 5 drew the same
+    tokens; every seed in [0, 2**64) now seeds its own stream (below 2**32 as before)."""
+    pipe = make_pipeline(tiny)
+    ids = prompts(1, seed=44)[0]
+
+    def draw(seed: int) -> list[int]:
+        s = SamplingParams(max_new_tokens=12, temperature=1.5, seed=seed, ignore_eos=True)
+        return LLMEngine(pipe).generate([Request("x", ids, "A", s)])[0].token_ids
+
+    runs = [draw(s) for s in (5, 5 + 2**32, 2**63 + 5, 2**64 - 1)]
+    assert len({tuple(r) for r in runs}) == 4
+    assert draw(5 + 2**32) == runs[1]  # still reproducible
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     g = torch.Generator().manual_seed(0)
