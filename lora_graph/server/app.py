@@ -96,7 +96,8 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         finally:
             await asyncio.to_thread(loop.stop)
 
-    # no /docs, /redoc or /openapi.json: every route but /health is behind the API key
+    # no /docs, /redoc or /openapi.json: every route but /health and /metrics is behind the
+    # API key (/metrics too with api_key_metrics)
     app = FastAPI(
         title="lora_graph", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
