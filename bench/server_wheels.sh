@@ -9,5 +9,9 @@ cd "$(dirname "$0")/.."
 mkdir -p bench/out/wheels
 python -m pip download -q --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
-  fastapi uvicorn prometheus_client openai httpx xgrammar jsonschema -d bench/out/wheels
+  fastapi uvicorn prometheus_client openai httpx jsonschema -d bench/out/wheels
+# xgrammar and its binding without their torch / transformers / triton (the image has them)
+python -m pip download -q --python-version 3.12 --only-binary=:all: --no-deps \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_28_x86_64 "xgrammar==0.2.9" apache-tvm-ffi -d bench/out/wheels
 ls bench/out/wheels | wc -l
