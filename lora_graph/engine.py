@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 from torch import Tensor
 
 from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig
-from lora_graph.grammar import allocate_bitmask, apply_bitmask
 from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.paging import PagePool
 from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
@@ -36,17 +34,18 @@ from lora_graph.requests import (
     TokenLogprob,
     check_text,
 )
-from lora_graph.sampling import (
-    Staging,
-    generator_seed,
-    pack_logprobs,
-    process_logits,
-    sample,
-    token_logprob,
-    unpack_logprob,
-)
+from lora_graph.sampling import Staging, generator_seed, sample
 from lora_graph.scheduler import Scheduler
-from lora_graph.step import ModelInputs, SeqChunk
+from lora_graph.step import SeqChunk
+from lora_graph.step_logits import (
+    InFlight,
+    grammar_refuses,
+    logprob_of,
+    process_rows,
+    queue_logprobs,
+    record_prompt_logprobs,
+    row_error,
+)
 
 __all__ = [
     "MIN_TEMPERATURE",
@@ -59,37 +58,6 @@ __all__ = [
     "default_async_scheduling",
     "sample",
 ]
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A step whose sampled tokens the host has not read yet (asynchronous scheduling):
-    ``rows[j]`` is the logits row of ``seqs[j]``; ``device`` holds ``[2, S]`` (NaN flag,
-    greedy token) per row on the step's device, ``host`` its copy, complete once ``done``
-    (a CUDA event; None on the CPU) has passed; ``hot`` the float32 logits of the rows that
-    sample at a temperature (read at once); ``logprobs`` the greedy rows' packed
-    log-probabilities on the host (:func:`pack_logprobs` with ``logprobs_k`` top tokens),
-    row ``logprob_rows[row]`` for logits row ``row``."""
-
-    seqs: list[RequestState]
-    rows: list[int]
-    device: Tensor
-    host: Tensor
-    done: torch.cuda.Event | None
-    hot: dict[int, Tensor]
-    logprobs: Tensor | None = None
-    logprob_rows: dict[int, int] | None = None
-    logprobs_k: int = 0
-    read: bool = False  # its tokens were read back (once)
-    raw_hot: dict[int, Tensor] = field(default_factory=dict)  # unprocessed, for logprobs
-
-
-# the read-back flags of a row that samples nothing: its request fails alone
-_ROW_ERRORS = {
-    1: "the model produced NaN logits for this request",  # its numerics (a half overflow)
-    2: "no token is allowed for this request (its grammar, min_tokens and stop tokens leave none)",
-    3: "the model produced NaN logits for this request",
-}
 
 
 def default_async_scheduling(device: torch.device) -> bool:
@@ -161,7 +129,7 @@ class LLMEngine:
         if async_scheduling is None:
             async_scheduling = default_async_scheduling(pipeline.device)
         self.async_scheduling = async_scheduling
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         # two pinned buffers the in-flight steps' [2, S] tokens are copied into, in turn
         # (flat: a step's [2, S] is a contiguous prefix, so the copy needs no staging)
         pin = pipeline.device.type == "cuda"
@@ -479,8 +447,8 @@ class LLMEngine:
                 self._finish(seq, self._output(seq, error=error))
 
     def _run(
-        self, scheduled: list[tuple[RequestState, int]], previous: _InFlight | None
-    ) -> _InFlight:
+        self, scheduled: list[tuple[RequestState, int]], previous: InFlight | None
+    ) -> InFlight:
         """Queue one step on the device and its greedy tokens' copy to the host. Nothing of
         the engine's state changes until all of it is queued (a step that raises is run
         again from scratch), except that a step whose rows process their logits (penalties,
@@ -520,50 +488,25 @@ class LLMEngine:
             self._read_back(previous)
         processed = [(i, s) for i, s in zip(rows, seqs, strict=True)
                      if s.request.sampling.processes_logits and not s.done]  # fmt: skip
+        flags = torch.isnan(logits[:width]).any(dim=-1).long()  # bit 1: NaN logits
         if processed:  # their rows only; every other row is the step's own, bit for bit
-            index = self._staging(torch.tensor([i for i, _ in processed]))
-            histories = [(s.request.sampling, s.request.prompt_token_ids, s.generated)
-                         for _, s in processed]  # fmt: skip
-            rows_in = logits[index]
             eos = set(self.eos_token_ids)
-            new = process_logits(rows_in, histories, eos, self._staging)
-            # a row whose other constraints (its grammar) allow only its stop tokens while
-            # min_tokens holds them back: the stops win (else no token would be allowed)
-            free = None
-            if any(len(s.generated) < s.request.sampling.min_tokens for _, s in processed):
-                free = process_logits(rows_in, histories, eos, self._staging, hold_stops=False)
-            held = [
-                j
-                for j, (_, s) in enumerate(processed)
-                if s.matcher is not None and not s.matcher.is_terminated()
-            ]
-            if held:  # grammars: each row's allowed tokens, filled on the host
-                mask = allocate_bitmask(len(processed), new.shape[1])
-                for j in held:
-                    processed[j][1].matcher.fill_next_token_bitmask(mask, j)
-                mask = self._staging(mask)
-                new = apply_bitmask(new, mask)
-                free = apply_bitmask(free, mask) if free is not None else None
-            if free is not None:
-                new = torch.where(torch.isneginf(new).all(dim=-1, keepdim=True), free, new)
-            logits = logits[:width].float().index_copy(0, index, new)
-        # per row: 1 NaN logits (the model's numerics), 2 every token masked; its greedy token
-        rows_of = logits[:width]
-        flags = torch.isnan(rows_of).any(dim=-1).long() + 2 * torch.isneginf(rows_of).all(dim=-1)
-        device = torch.stack((flags, rows_of.argmax(dim=-1)))
+            logits = process_rows(logits, width, processed, eos, self._staging)
+            flags = flags + 2 * torch.isneginf(logits).all(dim=-1)  # bit 2: nothing allowed
+        device = torch.stack((flags, logits[:width].argmax(dim=-1)))
         host = self._readback[self._steps_run % 2][: 2 * width].view(2, width)
         host.copy_(device, non_blocking=host.is_pinned())
         hot = {i: logits[i].float().cpu() for i, s in zip(rows, seqs, strict=True)
                if s.request.sampling.temperature > 0}  # fmt: skip
-        step = _InFlight(seqs, rows, device, host, None, hot)
+        step = InFlight(seqs, rows, device, host, None, hot)
         step.raw_hot = {i: raw[i].float().cpu() for i, s in processed
                         if i in hot and s.request.sampling.logprobs is not None}  # fmt: skip
-        self._queue_logprobs(step, raw)
+        queue_logprobs(step, raw, self._staging, self._logprob_readback[self._steps_run % 2])
         if host.is_pinned():
             step.done = torch.cuda.Event()
             step.done.record()
         self._steps_run += 1
-        self._prompt_logprobs(inputs)
+        record_prompt_logprobs(self.pipeline, inputs)
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
             c.owner.computed += len(c.token_ids)
@@ -571,54 +514,7 @@ class LLMEngine:
             s.pending += 1
         return step
 
-    def _queue_logprobs(self, step: _InFlight, logits: Tensor) -> None:
-        """Pack the log-probabilities of the greedy rows whose requests ask for them, and
-        queue their copy to the host (a row sampled at a temperature gets them from its
-        logits on the host, at read-back)."""
-        want = [
-            (row, k)
-            for row, s in zip(step.rows, step.seqs, strict=True)
-            if (k := s.request.sampling.logprobs) is not None and row not in step.hot
-        ]
-        if not want:
-            return
-        k = max(k for _, k in want)
-        index = self._staging(torch.tensor([row for row, _ in want]))
-        packed = pack_logprobs(logits[index], step.device[1][index], k)
-        buffer = self._logprob_readback[self._steps_run % 2][: packed.numel()]
-        host = buffer.view(packed.shape)
-        host.copy_(packed, non_blocking=host.is_pinned())
-        step.logprobs, step.logprobs_k = host, k
-        step.logprob_rows = {row: j for j, (row, _) in enumerate(want)}
-
-    def _prompt_logprobs(self, inputs: ModelInputs) -> None:
-        """Record the prompt-token log-probabilities a step computed, for the requests
-        that ask: the token at position ``p + 1`` of a prompt under the logits at ``p``,
-        those rows' logits taken from the step's hidden states (:meth:`PipelineModel.
-        logits_at`; the step itself ran as any other, captured or not). A prompt computed
-        again after a preemption writes the same values again."""
-        rows, targets, owners = [], [], []
-        offset = 0
-        for c in inputs.chunks:
-            seq = c.owner
-            k = seq.request.sampling.prompt_logprobs
-            prompt = seq.request.prompt_token_ids
-            if k is not None:
-                for p in range(c.start, min(c.start + len(c.token_ids), len(prompt) - 1)):
-                    rows.append(offset + p - c.start)
-                    targets.append(prompt[p + 1])
-                    owners.append((seq, p + 1, k))
-            offset += len(c.token_ids)
-        if not rows:
-            return
-        width = max(k for _, _, k in owners)
-        logits = self.pipeline.logits_at(inputs, rows)
-        packed = pack_logprobs(logits, torch.tensor(targets).to(logits.device), width)
-        for values, token, (seq, position, k) in zip(packed.tolist(), targets, owners,
-                                                     strict=True):  # fmt: skip
-            seq.prompt_logprobs[position] = unpack_logprob(values, token, k, width)
-
-    def _read_back(self, step: _InFlight) -> None:
+    def _read_back(self, step: InFlight) -> None:
         """Read a queued step's sampled tokens (waiting for the device if it has not got
         there): append each to its request, stream it, finish the requests that end. A
         step is read once (a later call does nothing)."""
@@ -633,7 +529,7 @@ class LLMEngine:
             seq.pending -= 1
             if seq.done:  # finished while this step ran (aborted, or ended a step earlier)
                 continue
-            error = _ROW_ERRORS.get(bad_rows[row])
+            error = row_error(bad_rows[row])
             token = greedy[row]
             if error is None and row in step.hot:
                 try:
@@ -644,12 +540,12 @@ class LLMEngine:
                 self._leave(seq)
                 self._finish(seq, self._output(seq, error=error))
                 continue
-            if self._grammar_refuses(seq, token):
+            if grammar_refuses(seq, token):
                 self._leave(seq)
                 error = f"token {token} does not continue the request's grammar"
                 self._finish(seq, self._output(seq, error=error))
                 continue
-            logprob = self._logprob_of(step, row, token, seq.request.sampling.logprobs)
+            logprob = logprob_of(step, row, token, seq.request.sampling.logprobs)
             if logprob is not None:
                 seq.logprobs.append(logprob)
             self.tokens_generated += 1
@@ -664,27 +560,6 @@ class LLMEngine:
             if reason is not None:
                 self._leave(seq)
                 self._finish(seq, self._output(seq, reason=reason))
-
-    @staticmethod
-    def _grammar_refuses(seq: RequestState, token: int) -> bool:
-        """Advance ``seq``'s grammar matcher by ``token``; whether it refused it (the mask
-        allows only tokens it accepts; a finished grammar takes nothing more)."""
-        matcher = seq.matcher
-        return (
-            matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token)
-        )
-
-    @staticmethod
-    def _logprob_of(step: _InFlight, row: int, token: int, k: int | None) -> TokenLogprob | None:
-        """The sampled ``token``'s log-probability at logits ``row`` of ``step`` (None if
-        its request did not ask)."""
-        if k is None:
-            return None
-        if row in step.hot:
-            return token_logprob(step.raw_hot.get(row, step.hot[row]), token, k)
-        assert step.logprobs is not None and step.logprob_rows is not None
-        packed = step.logprobs[step.logprob_rows[row]].tolist()
-        return unpack_logprob(packed, token, k, step.logprobs_k)
 
     def _leave(self, seq: RequestState) -> None:
         """Take a request out of its queue (running, or waiting after a preemption)."""
