@@ -22,7 +22,8 @@ FastAPI routes, uvicorn serving, FastAPI's server-sent events for ``stream: true
   open unless ``api_key_metrics``).
 
 Rooms: ``protocol`` (request bodies, the error body), ``fields`` (the field policy),
-``logprobs`` (their response shapes), ``tools`` (tool calls),
+``logprobs`` (their response shapes), ``tools`` (tool calls), ``sampling`` (what a body
+asks of the engine), ``generation`` (a request in flight and its answer),
 ``config`` (:class:`ServerConfig`), ``security`` (API key, body limit, ``--lora-root``
 confinement), ``engine_loop`` (the engine thread), ``metrics``, ``choices`` (a choice's
 text and stop strings), ``handlers`` (every route's handler), ``app`` (middleware, error

@@ -9,32 +9,28 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.responses import PlainTextResponse
+from fastapi.sse import EventSourceResponse
 
 from lora_graph.config import ADAPTER_NAME, AdapterError
 from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
-from lora_graph.grammar import GrammarCompiler, GrammarError
-from lora_graph.requests import MAX_LOGPROBS
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, Watcher
 from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
-from lora_graph.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from lora_graph.server.generation import Generation
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
     APIError,
     ChatBody,
     ChatMessage,
-    ClientGone,
     CompletionBody,
     DetokenizeBody,
     EmbeddingBody,
@@ -42,8 +38,15 @@ from lora_graph.server.protocol import (
     TokenizeBody,
     UnloadBody,
 )
+from lora_graph.server.sampling import (
+    Grammars,
+    check_best_of,
+    logprobs_of,
+    sampling_of,
+    stops_of,
+)
 from lora_graph.server.security import path_under
-from lora_graph.server.tools import OPEN, call_schema, check_tools, forced_call, parse_tool_calls
+from lora_graph.server.tools import check_tools
 
 
 def _text_or_400(text: str, what: str, param: str) -> None:
@@ -53,315 +56,7 @@ def _text_or_400(text: str, what: str, param: str) -> None:
         raise APIError(400, str(e), param=param) from None
 
 
-def _stops_of(body: Any) -> list[str]:
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if any(not s for s in stops) or len(stops) > 4:
-        raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
-    return stops
-
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _response_format(fmt: dict[str, Any]) -> tuple[str, Any]:
-    """OpenAI's ``response_format`` as ``(compiler method, argument)``.
-
-    Raises:
-        APIError: 400 for another ``type`` or a ``json_schema`` without its ``schema``.
-    """
-    kind = fmt.get("type")
-    if kind == "json_object":
-        return "json", None
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise APIError(
-                400, "response_format json_schema needs json_schema.schema (an object)",
-                param="response_format",
-            )  # fmt: skip
-        return "json_schema", schema
-    raise APIError(
-        400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
-        param="response_format",
-    )  # fmt: skip
-
-
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) as the engine's pairs.
-
-    Raises:
-        APIError: 400 for a key that is not a token id.
-    """
-    out = []
-    for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
-            raise APIError(
-                400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias"
-            )
-        out.append((int(key), value))
-    return tuple(out)
-
-
-def _sse(data: Any) -> bytes:  # FastAPI's SSE wire format
-    return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data))
-
-
-class _Generation:
-    """One completion or chat request in flight: its choices, the queue their engine
-    events arrive on, and how its answer is shaped."""
-
-    def __init__(self, serving: OpenAIServing, http: HTTPRequest, body: Any, chat: bool) -> None:
-        self.serving = serving
-        self.http = http
-        self.body = body
-        self.chat = chat
-        self.choices: list[Choice] = []
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.prompts: list[list[int]] = []  # token ids, one per prompt (a choice set each)
-        self.prompt_texts: list[str | None] = []  # as given (None: given as token ids)
-        self.n = 1  # choices per prompt (best_of's candidates, until they are picked)
-        self.returned = 1  # choices per prompt in the answer (n)
-        self.logprobs: int | None = None  # top logprobs per token, if asked
-        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, if asked
-        self.echo = False
-        self.spent = 0  # tokens generated by best_of's candidates, picked or not
-        self.tool_mode: str | None = None  # with tools: none, auto, required or a name
-        self.echo_only = False  # echo with max_tokens 0: the prompt alone
-        self.created = int(time.time())
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self._checked = time.monotonic()
-
-    async def next_event(self) -> tuple[int, str, Any]:
-        """The next ``(choice index, "token" | "finish", value)``; raises
-        :class:`ClientGone` if the client went away (checked at least every half second,
-        also while tokens keep coming)."""
-        while True:
-            now = time.monotonic()
-            if now - self._checked >= 0.5:
-                self._checked = now
-                if await self.http.is_disconnected():
-                    raise ClientGone
-            try:
-                return await asyncio.wait_for(self.events.get(), timeout=0.5)
-            except TimeoutError:
-                continue
-
-    def advance(self, choice: Choice, event: str, value: Any) -> str:
-        """Apply one event to ``choice``; return the text it newly emits."""
-        if event == "token":
-            token, logprob, prompt_logprobs = value
-            self.serving.metrics.generation_tokens.inc()
-            if logprob is not None:
-                choice.logprobs.append(logprob)
-            if prompt_logprobs is not None:
-                choice.prompt_logprobs = prompt_logprobs
-            return choice.on_token(token, self.serving.tokenizer)
-        if choice.prompt_logprobs is None and value.prompt_logprobs is not None:
-            choice.prompt_logprobs = value.prompt_logprobs
-        return choice.on_finish(value, self.serving.tokenizer)
-
-    def tool_calls(self, out: dict[str, Any], message: dict[str, Any]) -> None:
-        """Read a chat answer's tool calls (``tool_mode``: :mod:`lora_graph.server.tools`)
-        into ``message`` (its ``content`` and ``tool_calls``) and ``out``'s
-        ``finish_reason``."""
-        if self.tool_mode in (None, "none"):
-            return
-        text = message.get("content") or ""
-        if self.tool_mode == "auto":
-            content, calls = parse_tool_calls(text)
-        else:
-            content, calls = None, forced_call(text)
-            if not calls:  # it ran out of tokens before the call was complete
-                content = text
-        if calls:
-            message["content"] = content
-            message["tool_calls"] = calls
-            out["finish_reason"] = "tool_calls"
-
-    def tool_visible(self, c: Choice, text: str) -> str:
-        """Of a streamed chat choice's new ``text``, what is content: with tools in
-        ``auto``, the text before a ``<tool_call>`` (a possible start of one held back);
-        with a forced call, nothing (the call comes at the end)."""
-        if self.tool_mode in (None, "none"):
-            return text
-        if self.tool_mode != "auto":
-            return ""
-        full = c.text
-        cut = full.find(OPEN)
-        if cut < 0:
-            cut = len(full)
-            for k in range(min(len(OPEN) - 1, len(full)), 0, -1):
-                if OPEN.startswith(full[-k:]):
-                    cut = len(full) - k
-                    break
-        new, c.tool_sent = full[c.tool_sent : cut], max(c.tool_sent, cut)
-        return new
-
-    def tool_tail(self, c: Choice) -> dict[str, Any]:
-        """A finished streamed chat choice's last part with tools: the calls (``index``
-        each, as OpenAI streams them) and ``finish_reason`` ``tool_calls``, or the text
-        held back."""
-        out = self.piece(c, "")
-        message: dict[str, Any] = {"content": c.text}
-        self.tool_calls(out, message)
-        if "tool_calls" in message:
-            calls = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
-            out["delta"] = {"tool_calls": calls}
-            rest = (message["content"] or "")[c.tool_sent :] if self.tool_mode == "auto" else ""
-            if rest:
-                out["delta"]["content"] = rest
-        else:
-            out["delta"] = {"content": c.text[c.tool_sent :]}
-        return out
-
-    def pick_best(self) -> None:
-        """``best_of`` (TGI's and LoRAX's meaning): of each prompt's ``n`` candidates,
-        keep the ``returned`` with the highest cumulative logprob of their tokens (the
-        reported logprobs: the logits each was drawn from, before temperature; ties keep
-        the earlier candidate), indexed ``p * returned + i``. The usage still counts every
-        candidate's tokens, as OpenAI bills them."""
-        kept = []
-        for p in range(len(self.prompts)):
-            candidates = self.choices[p * self.n : (p + 1) * self.n]
-            ranked = sorted(candidates, key=lambda c: -sum(e.logprob for e in c.logprobs))
-            kept += ranked[: self.returned]
-        self.spent = sum(len(c.tokens) for c in self.choices)
-        for i, c in enumerate(kept):
-            c.index = i
-            if self.logprobs is None:
-                c.logprobs = []  # (asked for the ranking only)
-        self.choices, self.n = kept, self.returned
-
-    def piece(self, c: Choice, text: str, first: bool = False) -> dict[str, Any]:
-        """One choice's part of a chunk (or of the whole answer): ``text`` and the
-        logprobs of the tokens not sent yet; a completion's first part has the echoed
-        prompt and vLLM's ``prompt_logprobs`` when asked."""
-        finish = c.finish_reason if c.done else None
-        out: dict[str, Any] = {"index": c.index, "finish_reason": finish, "logprobs": None}
-        tokenizer = self.serving.tokenizer
-        entries: list[Any] = c.logprobs[c.logprobs_sent :]
-        tokens: list[int] = c.tokens[c.logprobs_sent : c.logprobs_sent + len(entries)]
-        c.logprobs_sent += len(entries)
-        if self.echo_only:  # (the token generated to run the request is not part of it)
-            text, entries, tokens = "", [], []
-        if self.chat:
-            out["delta"] = {"content": text}
-            if first:
-                out["delta"]["role"] = "assistant"
-            if self.logprobs is not None and (entries or c.done):
-                out["logprobs"] = chat_logprobs(tokenizer, entries)
-            return out
-        prompt = self.prompts[c.index // self.n]
-        if not c.started:  # the first part of a completion
-            c.started = True
-            prompt_lps = c.prompt_logprobs or [None] * len(prompt)
-            if self.echo:
-                given = self.prompt_texts[c.index // self.n]
-                text = (given if given is not None else tokenizer.decode(prompt)) + text
-                entries, tokens = [*prompt_lps, *entries], [*prompt, *tokens]
-            if self.prompt_logprobs is not None:
-                out["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps)
-        out["text"] = text
-        if self.logprobs is not None:
-            out["logprobs"] = completion_logprobs(tokenizer, entries, tokens, c.chars_sent)
-        c.chars_sent += len(text)
-        return out
-
-    def usage(self) -> dict[str, int]:
-        completion = self.spent or sum(len(c.tokens) for c in self.choices)
-        if self.echo_only:
-            completion = 0
-        prompt = sum(map(len, self.prompts))
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def envelope(self, kind: str, choices: list[dict], usage: dict | None) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.body.model,
-            "choices": choices,
-        }
-        if usage is not None:
-            data["usage"] = usage
-        return data
-
-    async def whole(self) -> Response:
-        """Wait for every choice; the whole answer (499, unread, if the client left)."""
-        try:
-            while not all(c.done for c in self.choices):
-                index, event, value = await self.next_event()
-                c = self.choices[index]
-                if not c.done:
-                    self.advance(c, event, value)
-                    if c.done:  # a stop string: the engine request is no longer needed
-                        self.serving.abort([c])
-        except ClientGone:
-            self.serving.abort(self.choices)
-            return Response(status_code=499)  # (nginx's "client closed request"; unread)
-        except asyncio.CancelledError:
-            self.serving.abort(self.choices)
-            raise
-        if self.returned != self.n:
-            self.pick_best()
-        out = [self.piece(c, c.text) for c in self.choices]
-        if self.chat:  # a whole answer is a message, not a delta
-            for o in out:
-                o["message"] = {"role": "assistant", "content": o.pop("delta")["content"]}
-                self.tool_calls(o, o["message"])
-        kind = "chat.completion" if self.chat else "text_completion"
-        data = self.envelope(kind, out, self.usage())
-        if self.chat and self.prompt_logprobs is not None:  # (vLLM's place for it in chat)
-            c = self.choices[0]
-            prompt_lps = c.prompt_logprobs or [None] * len(self.prompts[0])
-            data["prompt_logprobs"] = vllm_prompt_logprobs(self.serving.tokenizer, prompt_lps)
-        return JSONResponse(data)
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        """Server-sent chunks as tokens arrive; then (only when the request asked for it,
-        as OpenAI and vLLM: a client reading ``chunk.choices[0]`` would fail on it) a usage
-        chunk with no choices; then ``[DONE]``. An error is an error event, then
-        ``[DONE]``."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        options = self.body.stream_options
-        try:
-            if self.chat:
-                for c in self.choices:
-                    yield _sse(self.envelope(kind, [self.piece(c, "", first=True)], None))
-            while not all(c.done for c in self.choices):
-                index, event, value = await self.next_event()
-                c = self.choices[index]
-                if c.done:
-                    continue
-                try:
-                    text = self.advance(c, event, value)
-                except APIError as e:
-                    yield _sse(e.body())  # an error event, then the stream ends as usual
-                    self.serving.abort(self.choices)
-                    yield _sse("[DONE]")
-                    return
-                if c.done and event == "token":  # a stop string ended it
-                    self.serving.abort([c])
-                if self.chat and self.tool_mode not in (None, "none"):
-                    text = self.tool_visible(c, text)
-                    if c.done:
-                        yield _sse(self.envelope(kind, [self.tool_tail(c)], None))
-                        continue
-                if text or c.done:
-                    yield _sse(self.envelope(kind, [self.piece(c, text)], None))
-            if options is not None and options.include_usage:
-                yield _sse(self.envelope(kind, [], self.usage()))
-            yield _sse("[DONE]")
-        except ClientGone:
-            self.serving.abort(self.choices)  # (the stream just ends: nobody reads it)
-        except (asyncio.CancelledError, GeneratorExit):
-            self.serving.abort(self.choices)
-            raise
 
 
 class OpenAIServing:
@@ -389,7 +84,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.loop = loop
         self.loading: set[str] = set()  # adapter names being read by a runtime load
-        self._grammar_compiler: Any = None  # built at the first structured request
+        self.grammars = Grammars(tokenizer, engine)
 
     async def on_engine(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread between two steps; its result."""
@@ -425,141 +120,6 @@ class OpenAIServing:
             )  # fmt: skip
         return model
 
-    def sampling_of(self, body: Any, max_tokens: int | None, grammar: Any = None) -> SamplingParams:
-        """The request's sampling parameters, validated (400 naming the first bad one);
-        a field left out (or null) takes OpenAI's default. ``max_tokens`` None: the
-        server's ``default_max_tokens``."""
-        n = 1 if body.n is None else body.n
-        if not 1 <= n <= 16:
-            raise APIError(400, f"n must be in [1, 16], got {n}", param="n")
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(
-                400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
-            )
-        top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM's -1: every token
-        logprobs, prompt_logprobs = self.logprobs_of(body)
-        s = SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else self.config.default_max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=top_k,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=bool(body.ignore_eos),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            logit_bias=_logit_bias(body.logit_bias),
-            min_tokens=body.min_tokens or 0,
-            min_p=body.min_p or 0.0,
-            grammar=grammar,
-        )
-        try:
-            s.validate()
-        except ValueError as e:
-            param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=param if hasattr(body, param) else None) from e
-        return s
-
-    async def grammar_of(self, body: Any, tool_mode: str | None = None) -> Any:
-        """The compiled grammar a body asks for (None: free output): ``response_format``
-        ``json_object`` / ``json_schema``, or vLLM's ``guided_json``, ``guided_regex``,
-        ``guided_choice``, ``guided_grammar`` (one of them). Compiled on a worker thread,
-        so a long schema never stalls other requests or the engine.
-
-        Raises:
-            APIError: 400 for two of them, a malformed ``response_format``, or a grammar
-                the library refuses (its cause named); 400 without xgrammar installed.
-        """
-        asked = []
-        fmt = body.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            asked.append(("response_format", _response_format(fmt)))
-        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"),
-                           ("guided_choice", "choice"), ("guided_grammar", "ebnf")):  # fmt: skip
-            if getattr(body, name) is not None:
-                asked.append((name, (kind, getattr(body, name))))
-        if tool_mode not in (None, "none", "auto"):  # one call, its arguments by its schema
-            asked.append(("tool_choice", ("json_schema", call_schema(body.tools, tool_mode))))
-        if not asked:
-            return None
-        if len(asked) > 1:
-            raise APIError(
-                400, f"give one of {' and '.join(n for n, _ in asked)}, not both",
-                param=asked[1][0],
-            )  # fmt: skip
-        name, (kind, spec) = asked[0]
-        try:
-            compiler = await asyncio.to_thread(self._compiler)
-            return await asyncio.to_thread(
-                getattr(compiler, kind), *(() if spec is None else (spec,))
-            )
-        except ImportError as e:
-            raise APIError(
-                400, "structured output needs xgrammar: pip install 'lora_graph[serve]'",
-                param=name,
-            ) from e  # fmt: skip
-        except GrammarError as e:
-            raise APIError(400, str(e), param=name) from e
-
-    def _compiler(self) -> GrammarCompiler:
-        if self._grammar_compiler is None:  # (a race builds two: the same, harmless)
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, self.engine.vocab_size, sorted(self.engine.eos_token_ids)
-            )
-        return self._grammar_compiler
-
-    @staticmethod
-    def _check_best_of(body: Any, best_of: int) -> None:
-        """Refuse a ``best_of`` below ``n``, above 16, or with ``stream``.
-
-        Raises:
-            APIError: 400 naming ``best_of``.
-        """
-        n = body.n or 1
-        if not n <= best_of <= 16:
-            raise APIError(
-                400, f"best_of must be in [n, 16] (n is {n}), got {best_of}", param="best_of"
-            )
-        if body.stream:
-            raise APIError(
-                400, "best_of cannot be streamed: its choices are picked once all are done",
-                param="best_of",
-            )  # fmt: skip
-
-    @staticmethod
-    def logprobs_of(body: Any) -> tuple[int | None, int | None]:
-        """``(logprobs, prompt_logprobs)`` the engine computes for a body: completions'
-        ``logprobs: k``, chat's ``logprobs: true`` with ``top_logprobs: k``; with
-        completions' ``echo`` the prompt's too; vLLM's ``prompt_logprobs: k``.
-
-        Raises:
-            APIError: 400 for a count outside [0, 20], or chat's ``top_logprobs`` without
-                ``logprobs``.
-        """
-        chat = isinstance(body, ChatBody)
-        if chat:
-            if body.top_logprobs is not None and not body.logprobs:
-                raise APIError(
-                    400, "top_logprobs needs logprobs: true", param="top_logprobs"
-                )  # fmt: skip
-            k = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            k = body.logprobs
-        name = "top_logprobs" if chat else "logprobs"
-        for field_name, value in ((name, k), ("prompt_logprobs", body.prompt_logprobs)):
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise APIError(
-                    400, f"{field_name} must be in [0, {MAX_LOGPROBS}], got {value}",
-                    param=field_name,
-                )  # fmt: skip
-        prompt = body.prompt_logprobs
-        if not chat and body.echo and k is not None:
-            prompt = k if prompt is None else max(k, prompt)
-        return k, prompt
-
     def _generates(self) -> None:
         if self.engine.is_encoder:
             raise APIError(
@@ -569,7 +129,7 @@ class OpenAIServing:
 
     # ---- generation ---------------------------------------------------------------------
     async def _submit(
-        self, gen: _Generation, prompts: list[list[int]], adapter: str | None, sampling: list[Any]
+        self, gen: Generation, prompts: list[list[int]], adapter: str | None, sampling: list[Any]
     ) -> None:
         """Queue the generation's engine requests, ``n`` a prompt (``sampling[p]`` for
         prompt ``p``); their events arrive on its queue as ``(choice index, "token", id)``
@@ -582,7 +142,7 @@ class OpenAIServing:
         """
         aloop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
-        stops = _stops_of(gen.body)
+        stops = stops_of(gen.body)
         n = gen.n
         gen.choices = [Choice(i, f"{base}-{i}", stops) for i in range(n * len(prompts))]
         gen.prompts = prompts
@@ -657,30 +217,31 @@ class OpenAIServing:
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         adapter = self.adapter_of(body.model)
-        grammar = await self.grammar_of(body, tool_mode)
+        grammar = await self.grammars.of(body, tool_mode)
         # vLLM's prompt scoring: echo with max_tokens 0 returns the prompt (and its
         # logprobs) alone; one token is generated and dropped
         echo_only = not chat and bool(body.echo) and max_tokens == 0
         if echo_only:
             max_tokens = 1
         sampling = [
-            self.sampling_of(
+            sampling_of(
                 body,
                 max_tokens if max_tokens is not None or not chat else limit - len(ids),
+                self.config.default_max_tokens,
                 grammar,
             )
             for ids in prompts
         ]
-        gen = _Generation(self, http, body, chat)
+        gen = Generation(self, http, body, chat)
         gen.tool_mode = tool_mode
         gen.n = gen.returned = body.n or 1
         best_of = None if chat else body.best_of
         if best_of is not None and best_of != gen.n:
-            self._check_best_of(body, best_of)
+            check_best_of(body, best_of)
             gen.n = best_of  # sampled; the `returned` of each prompt's with the best sum kept
             # every candidate reports its tokens' logprobs, for the ranking
             sampling = [replace(s, logprobs=s.logprobs or 0) for s in sampling]
-        gen.logprobs, gen.prompt_logprobs = self.logprobs_of(body)
+        gen.logprobs, gen.prompt_logprobs = logprobs_of(body)
         gen.echo_only = echo_only
         if not chat and body.echo:
             gen.echo = True
