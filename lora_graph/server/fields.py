@@ -18,6 +18,7 @@ declared field of the wrong type is a 400)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -248,8 +249,6 @@ def _same(value: Any, noop: Any) -> bool:
 
 
 def _json(value: Any) -> str:
-    import json
-
     text = json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -20,7 +20,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.sse import EventSourceResponse
 
 from lora_graph.config import ADAPTER_NAME, AdapterError
-from lora_graph.engine import LLMEngine, Request, RequestOutput, SamplingParams, check_text
+from lora_graph.engine import LLMEngine, Request, RequestOutput, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, Watcher
@@ -167,7 +167,7 @@ class OpenAIServing:
                     p, i = divmod(c.index, n)
                     s = sampling[p]
                     if n > 1 and s.seed is not None:  # choice i draws with seed + i
-                        s = SamplingParams(**{**s.__dict__, "seed": (s.seed + i) % 2**64})
+                        s = replace(s, seed=(s.seed + i) % 2**64)
                     watcher = Watcher(
                         functools.partial(lambda i, *t: put((i, "token", t)), c.index),
                         functools.partial(finished, c),
