@@ -24,6 +24,7 @@ from lora_graph.config import AdapterError, AdapterInfo, LoraReqConfig
 from lora_graph.manager import LoRAManager, LoRAStatus, ReadAdapter
 from lora_graph.paging import PagePool
 from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
+from lora_graph.prefix_cache import identity_root
 from lora_graph.requests import (
     MAX_LOGPROBS,
     MIN_TEMPERATURE,
@@ -90,6 +91,9 @@ class LLMEngine:
         async_scheduling: overlap each step's host work with the previous step's device
             work (above); False reads every step's tokens before the next is scheduled;
             None: :func:`default_async_scheduling` of the pipeline's device.
+        enable_prefix_caching: reuse the KV cache pages of earlier prompts' full pages
+            under the same base or adapter version (:mod:`lora_graph.prefix_cache`);
+            vLLM's option of the same name, on by default as there.
 
     Threading: an engine is not thread-safe. One thread owns it (a server's
     :class:`~lora_graph.server.EngineLoop`) and calls every method, except
@@ -106,6 +110,7 @@ class LLMEngine:
         *,
         eos_token_ids: tuple[int, ...] = (),
         async_scheduling: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.pipeline = pipeline
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -119,7 +124,10 @@ class LLMEngine:
             max_step_tokens=pipeline.max_step_tokens,
             max_seq_len=pipeline.max_seq_len,
             admit_adapter=lambda hold, names: self._manager().admit(hold, names),
+            enable_prefix_caching=enable_prefix_caching,
         )
+        if pipeline.manager is not None:  # a version forgotten: its cached pages dropped
+            pipeline.manager.registry.on_forget = self._forget_version
         self.finished: dict[str, RequestOutput] = {}
         # steps with a prefill chunk in them, and steps of decodes only
         self.steps = {"prefill": 0, "decode": 0}
@@ -257,6 +265,22 @@ class LLMEngine:
         """
         return self._manager().unload_adapter(name)
 
+    def _forget_version(self, version: int) -> None:
+        self.pages.forget(identity_root(version))
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.scheduler.prefix_cache.enabled
+
+    def prefix_cache_counts(self) -> dict[str, tuple[int, int]]:
+        """Prompt tokens ``(cached, computed)`` by adapter name (``"base"``), counted at
+        each request's first admission."""
+        cache = self.scheduler.prefix_cache
+        return {
+            name: (cache.cached_tokens.get(name, 0), computed)
+            for name, computed in cache.computed_tokens.items()
+        }
+
     def lora_slot_counts(self) -> tuple[int, int, int]:
         """Slot activations so far: ``(hits, loads, evictions)`` (zeros without LoRA)."""
         manager = self.pipeline.manager
@@ -373,6 +397,7 @@ class LLMEngine:
             token_times=list(seq.token_times),
             logprobs=list(seq.logprobs) if s.logprobs is not None else None,
             prompt_logprobs=list(seq.prompt_logprobs) if s.prompt_logprobs is not None else None,
+            cached_tokens=seq.cached_tokens or 0,
         )
 
     def _finish(self, seq: RequestState, output: RequestOutput) -> None:
@@ -510,6 +535,7 @@ class LLMEngine:
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
             c.owner.computed += len(c.token_ids)
+            self.scheduler.prefix_cache.commit(c.owner)  # (read by later steps only)
         for s in seqs:
             s.pending += 1
         return step

@@ -10,9 +10,14 @@ replaced (reload) or unloaded while requests still hold it stays served under
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from lora_graph.loading.adapter_files import AdapterSource
+
+# adapter version serials, unique in the process (LoadedAdapter.version)
+_VERSIONS = itertools.count(1)
 
 
 class LoRAStatus(enum.Enum):
@@ -31,35 +36,45 @@ class AdapterRef:
     is current, ``name@<digest prefix>`` once a reload replaced it (the registry updates it
     in place). ``admitted``: the request has been admitted to run (it then finishes on this
     version even if it is unloaded). ``unloaded``: the version was unloaded while the
-    request held it; one not yet admitted is refused."""
+    request held it; one not yet admitted is refused. ``version``: the version's serial
+    (:attr:`LoadedAdapter.version`), what the prefix cache keys its pages by."""
 
     name: str
     digest: str
     key: str
     admitted: bool = False
     unloaded: bool = False
+    version: int = 0
 
 
 @dataclass
 class LoadedAdapter:
-    """A registered adapter version: its routing key ``name``, ``digest``, rank, and where
-    its weights are read from again if its host image was dropped."""
+    """A registered adapter version: its routing key ``name``, ``digest``, rank, where its
+    weights are read from again if its host image was dropped, and ``version``: a serial
+    unique in the process, new for every load that registers weights (a reload with other
+    weights, or a load after an unload, even of the same weights), kept while the version
+    is served (a load of the same weights under its name leaves it as it is)."""
 
     name: str
     source: AdapterSource
     digest: str
     rank: int
     pinned: bool
+    version: int = field(default_factory=lambda: next(_VERSIONS))
 
 
 class AdapterRegistry:
     """Registered adapter versions by routing key, the holds on them, and which are being
-    unloaded (served only to the requests that hold them)."""
+    unloaded (served only to the requests that hold them).
+
+    ``on_forget``, if set, is called with a version's serial when the registry forgets it
+    (:meth:`drop`, :meth:`purge`): the prefix cache then drops that version's pages."""
 
     def __init__(self) -> None:
         self._entries: dict[str, LoadedAdapter] = {}
         self._holds: dict[str, list[AdapterRef]] = {}
         self._unloading: set[str] = set()
+        self.on_forget: Callable[[int], None] | None = None
 
     @property
     def loras(self) -> list[str]:
@@ -111,8 +126,10 @@ class AdapterRegistry:
 
     def drop(self, key: str) -> None:
         """Forget an unheld version at once."""
-        self._entries.pop(key, None)
+        entry = self._entries.pop(key, None)
         self._unloading.discard(key)
+        if entry is not None and self.on_forget is not None:
+            self.on_forget(entry.version)
 
     def acquire(self, name: str) -> AdapterRef:
         """Hold the current version of ``name`` for a request that names it.
@@ -122,7 +139,8 @@ class AdapterRegistry:
         """
         if not self.is_lora(name):
             raise KeyError(f"adapter {name!r} is not loaded")
-        ref = AdapterRef(name, self._entries[name].digest, name)
+        entry = self._entries[name]
+        ref = AdapterRef(name, entry.digest, name, version=entry.version)
         self._holds.setdefault(name, []).append(ref)
         return ref
 
@@ -175,5 +193,7 @@ class AdapterRegistry:
         freed = [k for k in self._unloading if k not in running and not self._holds.get(k)]
         for key in freed:
             self._unloading.discard(key)
-            del self._entries[key]
+            entry = self._entries.pop(key)
+            if self.on_forget is not None:
+                self.on_forget(entry.version)
         return freed

@@ -215,6 +215,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one a generated token, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one a prompt token, if asked
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
 
     @property
     def ttft(self) -> float | None:
@@ -245,6 +246,13 @@ class RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # if its sampling asks
     matcher: Any = None  # its grammar's matcher (xgrammar), advanced by each token read
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position
+    # prefix caching (lora_graph.prefix_cache): its identity's chain root, its full pages'
+    # keys so far, how many of its pages are keyed, and the prompt tokens it reused when
+    # first admitted (None before)
+    root: bytes | None = None
+    page_keys: list[bytes] = field(default_factory=list)
+    keyed: int = 0
+    cached_tokens: int | None = None
 
     @property
     def known(self) -> int:

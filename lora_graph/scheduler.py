@@ -13,10 +13,13 @@ Each step (:mod:`lora_graph.step`) runs under a token budget (the pipeline's
 3. if nothing was preempted, waiting requests are admitted in arrival order while the
    budget, ``max_batch_size``, the free pages (a request takes the pages of its whole
    prompt when admitted, and leaves one page free per running request) and the adapter
-   slots allow. A request whose adapter cannot take a slot beside the running ones waits,
-   as does every later one that would need a new slot; later ones that need none go ahead
-   of it, at most ``max_batch_size`` of them, then it is next (so it is not starved). The
-   least recently used adapter not running gives up its slot when one is needed.
+   slots allow. A request whose adapter cannot take a slot beside the running ones
+   waits, as does every later one that would need a new slot; later ones that need none
+   go ahead of it, at most ``max_batch_size`` of them, then it is next (so it is not
+   starved). The least recently used adapter not running gives up its slot when one is
+   needed. With prefix caching (:mod:`lora_graph.prefix_cache`) an admitted request
+   shares the cached pages of its prompt's longest cached prefix under its own identity
+   and computes from the first token after them.
 
 With asynchronous scheduling a step is scheduled while the one before it still runs: a
 request whose last token is still on the device (``RequestState.pending``) decodes with
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_graph.paging import PagePool
+from lora_graph.prefix_cache import PrefixCache
 from lora_graph.registry import AdapterRef
 from lora_graph.requests import RequestState
 
@@ -59,6 +63,8 @@ class Scheduler:
             marked admitted); raises KeyError with the message to refuse it with if its
             version was unloaded before it was first admitted
             (:meth:`lora_graph.manager.LoRAManager.admit`).
+        enable_prefix_caching: reuse cached full pages of earlier prompts under the same
+            identity (:mod:`lora_graph.prefix_cache`); the engine turns it on by default.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class Scheduler:
         max_step_tokens: int,
         max_seq_len: int,
         admit_adapter: Callable[[AdapterRef, set[str]], bool],
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.pages = pages
         self.max_batch_size = max_batch_size
@@ -78,12 +85,17 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.preemptions = 0
+        self.prefix_cache = PrefixCache(pages, enabled=enable_prefix_caching)
 
     def free_pages(self, seq: RequestState) -> None:
-        """Give a request's pages back (its KV cache is then recomputed if it runs again)."""
-        self.pages.free(seq.pages)
+        """Give a request's pages back, its computed full pages keyed first (they stay
+        cached while the pool can keep them), last page first (a prefix's tail is taken
+        before its head). Its KV cache is recomputed, or found cached, if it runs again."""
+        self.prefix_cache.commit(seq)
+        self.pages.free(reversed(seq.pages))
         seq.pages = []
         seq.computed = 0
+        seq.keyed = 0
 
     def preempt(self, seq: RequestState) -> None:
         """Take a running request's pages back and queue it first, to be recomputed (its
@@ -135,7 +147,7 @@ class Scheduler:
             budget -= n
         if not preempted:
             for seq in self._admit(budget, refused):
-                n = min(len(seq.tokens), budget)
+                n = min(len(seq.tokens) - seq.computed, budget)
                 scheduled.append((seq, n))
                 budget -= n
         return SchedulerOutput(scheduled, refused)
@@ -159,7 +171,11 @@ class Scheduler:
                 break  # preempted with a token still on the device: next step
             # its prompt's pages, and one spare page a running request (their next
             # tokens), so a new request is not preempted at once by the running ones
-            if self.pages.pages_for(len(seq.tokens)) + len(self.running) > self.pages.num_free:
+            hits = self.prefix_cache.match(seq)
+            # (a cached page nobody holds counts as free until this request holds it)
+            idle = sum(1 for p in hits if self.pages.refs(p) == 0)
+            need = self.pages.pages_for(len(seq.tokens)) - len(hits) + idle
+            if need + len(self.running) > self.pages.num_free:
                 break  # first come first served: later requests wait for pages too
             self.waiting.popleft()
             if seq.hold is not None:
@@ -183,9 +199,16 @@ class Scheduler:
                     break
                 first_blocked.bypassed += 1
             seq.bypassed = 0
-            seq.pages = self.pages.allocate(self.pages.pages_for(len(seq.tokens)))
+            self.pages.share(hits)
+            seq.pages = hits + self.pages.allocate(
+                self.pages.pages_for(len(seq.tokens)) - len(hits)
+            )
+            seq.computed = len(hits) * self.pages.page_size
+            seq.keyed = len(hits)
+            if seq.cached_tokens is None:
+                self.prefix_cache.count(seq, seq.computed)
             self.running.append(seq)
             admitted.append(seq)
-            budget -= min(len(seq.tokens), budget)
+            budget -= min(len(seq.tokens) - seq.computed, budget)
         self.waiting.extendleft(reversed(kept))
         return admitted
