@@ -429,6 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing runs in the background)",
     )
     engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of a prompt's full pages computed for an earlier request "
+        "under the same base model or adapter version (never across adapters, nor across a "
+        "reload); the rest of the prompt is computed (default: on; "
+        "--no-enable-prefix-caching turns it off)",
+    )
+    engine.add_argument(
         "--max-seq-len",
         type=int,
         default=None,

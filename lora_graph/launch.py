@@ -39,6 +39,7 @@ def build_engine(
     enable_lora: bool = False,
     encoder: bool | None = False,
     async_scheduling: bool | None = None,
+    enable_prefix_caching: bool = True,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
     ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
@@ -108,7 +109,12 @@ def build_engine(
     except (FileNotFoundError, ValueError, OSError) as e:
         raise CliError(f"model {model!r}: {_flag_names(str(e))}") from e
     eos = _eos_ids(model_dir, hf_config)
-    engine = LLMEngine(pipeline, eos_token_ids=eos, async_scheduling=async_scheduling)
+    engine = LLMEngine(
+        pipeline,
+        eos_token_ids=eos,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     # adapters first: a bad one is reported before the capture (which does not need them:
     # they are graph inputs)
     for spec in loras:
@@ -200,6 +206,7 @@ def engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine,
         gpu_memory_utilization=args.gpu_memory_utilization,
         progress=args.progress,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
         **extra,
     )
 

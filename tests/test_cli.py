@@ -67,9 +67,9 @@ def test_generate_requests_file_matches_peft(tiny, reference_factory, tmp_path):
         expected = ref.greedy(ids, a, 12)
         assert r["token_ids"] == expected[: len(r["token_ids"])]
         assert len(r["token_ids"]) == 12 or r["token_ids"][-1] == 2
-    # asynchronous scheduling on and off (the CPU's default): the same output
+    # asynchronous scheduling on and off (the CPU's default), the prefix cache off: the same
     runs = {}
-    for flag in ("--async-scheduling", "--no-async-scheduling"):
+    for flag in ("--async-scheduling", "--no-async-scheduling", "--no-enable-prefix-caching"):
         runs[flag] = tmp_path / f"{flag}.jsonl"
         argv[argv.index(str(output))] = str(runs[flag])
         output = runs[flag]

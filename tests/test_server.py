@@ -618,6 +618,30 @@ def test_metrics_parse_and_move(served, client):
     assert metric(served, "lora_graph_kv_pages_total") > 0
 
 
+def test_prefix_cache_usage_and_counters(served, client):
+    """A long prompt sent twice under one adapter reuses its full pages the second time
+    (OpenAI's ``usage.prompt_tokens_details.cached_tokens``, the per-adapter counters);
+    the same prompt under the base model or another adapter reuses nothing."""
+    prompt = " ".join(PROMPTS) * 8
+    n = len(served.tokenizer(prompt)["input_ids"])
+    assert 40 < n < 100
+    hits = metric(served, "lora_graph_prompt_tokens_cached_total", adapter="pirate")
+
+    def cached(model: str, **kw) -> tuple[int, str]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                      **kw)  # fmt: skip
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+
+    first, text = cached("pirate")
+    assert (first, text) == cached("pirate", extra_body={"prompt_logprobs": 1})  # computes all
+    again, text2 = cached("pirate")
+    assert first == 0 and again == (n - 1) // 16 * 16 and text2 == text
+    assert cached(MODEL)[0] == 0 and cached("shout")[0] == 0
+    assert metric(served, "lora_graph_prompt_tokens_cached_total", adapter="pirate") == hits + again
+    assert metric(served, "lora_graph_prompt_tokens_computed_total", adapter="pirate") > 0
+    assert metric(served, "lora_graph_kv_pages_cached") > 0
+
+
 def test_non_streaming_client_that_hangs_up_is_aborted(served, monkeypatch):
     """A plain (non-streaming) request whose client gives up is aborted while tokens keep
     coming, and the gauges say so once the engine is idle; the server logs no error for it

@@ -29,6 +29,7 @@ class Choice:
     chars_sent: int = 0  # of the text (echo included), in parts sent
     started: bool = False  # its first part was sent
     tool_sent: int = 0  # characters of its text streamed as content (with tools)
+    cached_tokens: int = 0  # prompt tokens its engine request reused from the prefix cache
 
     def on_token(self, token: int, tokenizer: Any) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the
@@ -71,6 +72,7 @@ class Choice:
             APIError: 400 for a request whose adapter version was unloaded before it ran,
                 500 for another engine error (NaN logits, an adapter that cannot be read).
         """
+        self.cached_tokens = out.cached_tokens
         if self.done:
             return ""
         self.done = True

@@ -197,15 +197,22 @@ class Generation:
         c.chars_sent += len(text)
         return out
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: of each prompt, the most
+        tokens one of its choices reused from the prefix cache."""
         completion = self.spent or sum(len(c.tokens) for c in self.choices)
         if self.echo_only:
             completion = 0
         prompt = sum(map(len, self.prompts))
+        cached = sum(
+            max((c.cached_tokens for c in self.choices[p * self.n : (p + 1) * self.n]), default=0)
+            for p in range(len(self.prompts))
+        )
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def envelope(self, kind: str, choices: list[dict], usage: dict | None) -> dict[str, Any]:

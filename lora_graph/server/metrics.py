@@ -50,6 +50,23 @@ class Metrics:
             "lora_graph_lora_slot_evictions", "Adapters evicted from a slot", registry=r
         )
         self._slot_counts = (0, 0, 0)
+        self.prefix_cached = Counter(
+            "lora_graph_prompt_tokens_cached",
+            "Prompt tokens reused from the prefix cache (at a request's first admission)",
+            ["adapter"],
+            registry=r,
+        )
+        self.prefix_computed = Counter(
+            "lora_graph_prompt_tokens_computed",
+            "Prompt tokens computed (not found in the prefix cache) at a request's first admission",
+            ["adapter"],
+            registry=r,
+        )
+        self.kv_pages_cached = Gauge(
+            "lora_graph_kv_pages_cached", "KV cache pages keyed for reuse (held or idle)",
+            registry=r,
+        )  # fmt: skip
+        self._prefix_counts: dict[str, tuple[int, int]] = {}
         self.adapter_load = Histogram(
             "lora_graph_adapter_load_seconds", "Runtime adapter loads", buckets=buckets,
             registry=r,
@@ -72,6 +89,15 @@ class Metrics:
             if new > old:
                 counter.inc(new - old)
         self._slot_counts = now
+        self.kv_pages_cached.set(pages.num_cached)
+        counts = engine.prefix_cache_counts()
+        for name, (cached, computed) in counts.items():
+            was_cached, was_computed = self._prefix_counts.get(name, (0, 0))
+            if cached > was_cached:
+                self.prefix_cached.labels(name).inc(cached - was_cached)
+            if computed > was_computed:
+                self.prefix_computed.labels(name).inc(computed - was_computed)
+        self._prefix_counts = counts
 
     def observe_finished(self, out: RequestOutput, outcome: str | None = None) -> None:
         outcome = outcome or out.finish_reason or ("aborted" if out.error == "aborted" else "error")
