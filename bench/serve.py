@@ -14,12 +14,22 @@ arrivals at ``--rate`` requests/s. It is served by:
            ``--peft-requests`` requests only
 
 and for each prints wall time (first arrival to last token), output and total (prompt +
-output) tokens/s, time to first token and inter-token latency (p50, p90). Capture time is
-reported apart and not counted.
+output) tokens/s, time to first token and inter-token latency (p50, p90), and the share of
+prompt tokens the prefix cache served. Capture time is reported apart and not counted.
+
+``--workload`` picks the requests: ``mixed`` (above); ``shared-prefix``: ``--adapters``
+adapters and the base model, each with its own ``--shared-len``-token system prompt shared
+by ``--per-group`` requests, then a unique suffix of ``--prompt-len`` tokens (in random
+order); ``chat``: ``--conversations`` conversations of ``--turns`` turns, each turn
+resending the conversation so far (its first message of ``--prompt-len`` MIN tokens, the
+answers, ``--user-len`` new tokens a turn), the next turn sent when the answer is done.
+``--compare-prefix-caching`` serves each engine's workload again with the cache off, on
+the same captured graphs (each run starts from a cold cache).
 
     python bench/serve.py                      # the H200 run (writes bench/out/serve.json)
     python bench/serve.py --rate 8             # Poisson arrivals, 8 requests/s
     python bench/serve.py --smoke              # tiny shapes on the CPU, to check it runs
+    python bench/serve.py --workload shared-prefix --compare-prefix-caching --skip-base
 """
 
 from __future__ import annotations
@@ -117,6 +127,19 @@ def parse_args() -> argparse.Namespace:
         "string, which random weights rarely close: the rows run their whole length), "
         "compiled by xgrammar over the demo model's tokenizer",
     )
+    p.add_argument(
+        "--workload", default="mixed", choices=["mixed", "shared-prefix", "chat"],
+        help="which requests (module docstring; default: mixed)",
+    )  # fmt: skip
+    p.add_argument("--shared-len", type=int, default=2048, help="shared-prefix: system prompt")
+    p.add_argument("--per-group", type=int, default=32, help="shared-prefix: requests a prompt")
+    p.add_argument("--conversations", type=int, default=64, help="chat: conversations")
+    p.add_argument("--turns", type=int, default=8, help="chat: turns a conversation")
+    p.add_argument("--user-len", type=int, default=64, help="chat: new tokens a turn")
+    p.add_argument(
+        "--compare-prefix-caching", action="store_true",
+        help="also serve each engine's workload with the prefix cache off",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default="bench/out/serve.json")
@@ -124,7 +147,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dict]:
-    """The requests: prompt ids, adapter (None: base) and arrival offset in seconds."""
+    """The requests: prompt ids, adapter (None: base) and arrival offset in seconds (a chat
+    turn after the first: ``parent``, the turn it follows, and ``user``, its new tokens;
+    its prompt is built when the parent finishes)."""
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(args, names, vocab)
+    if args.workload == "chat":
+        return chat_workload(args, names, vocab)
     rng = random.Random(args.seed)
     weights = {
         "uniform": [1.0] * len(names),
@@ -149,6 +178,49 @@ def workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dic
         if math.isfinite(args.rate):
             t += rng.expovariate(args.rate)
     return out
+
+
+def arrivals(args: argparse.Namespace, n: int, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        if math.isfinite(args.rate):
+            t += rng.expovariate(args.rate)
+    return out
+
+
+def shared_prefix_workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dict]:
+    """Each of ``names`` and the base model: a system prompt of ``--shared-len`` tokens
+    shared by ``--per-group`` requests, each with its own suffix."""
+    rng = random.Random(args.seed)
+    groups = [*names, None]
+    system = {a: [rng.randrange(3, vocab) for _ in range(args.shared_len)] for a in groups}
+    reqs = []
+    for a in groups:
+        for _ in range(args.per_group):
+            suffix = [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
+            reqs.append(dict(prompt=system[a] + suffix, adapter=a))
+    rng.shuffle(reqs)
+    for i, (r, t) in enumerate(zip(reqs, arrivals(args, len(reqs), rng), strict=True)):
+        r.update(id=str(i), arrival=t)
+    return reqs
+
+
+def chat_workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dict]:
+    """``--conversations`` conversations (adapters as the mixed workload) of ``--turns``
+    turns: the first sent at its arrival, each later one when the answer before it is done,
+    resending the conversation."""
+    rng = random.Random(args.seed)
+    reqs = []
+    for c, t in enumerate(arrivals(args, args.conversations, rng)):
+        adapter = None if rng.random() < args.base_share or not names else rng.choice(names)
+        first = [rng.randrange(3, vocab) for _ in range(args.prompt_len[0])]
+        reqs.append(dict(id=f"c{c}t0", prompt=first, adapter=adapter, arrival=t))
+        for turn in range(1, args.turns):
+            user = [rng.randrange(3, vocab) for _ in range(args.user_len)]
+            reqs.append(dict(id=f"c{c}t{turn}", parent=f"c{c}t{turn - 1}", user=user,
+                             adapter=adapter, arrival=math.inf))  # fmt: skip
+    return reqs
 
 
 def mark_extras(args: argparse.Namespace, reqs: list[dict]) -> None:
@@ -199,7 +271,9 @@ def serve(
             return SamplingParams(max_new_tokens=output_len, ignore_eos=True, logprobs=5)
         return SamplingParams(max_new_tokens=output_len, grammar=grammar)
 
-    pending = list(reqs)
+    pending = [r for r in reqs if "parent" not in r]
+    after = {r["parent"]: r for r in reqs if "parent" in r}  # chat: the next turn
+    prompts = {r["id"]: r["prompt"] for r in pending}
     start = time.perf_counter()
     outputs = {}
     while pending or engine.has_unfinished():
@@ -207,12 +281,18 @@ def serve(
         while pending and pending[0]["arrival"] <= now:
             r = pending.pop(0)
             engine.add_request(
-                Request(r["id"], r["prompt"], None if base_only else r["adapter"], params(r))
-            )
+                Request(r["id"], prompts[r["id"]], None if base_only else r["adapter"],
+                        params(r))
+            )  # fmt: skip
         if engine.has_unfinished():
             engine.step()
         elif pending:
             time.sleep(max(0.0, pending[0]["arrival"] - now))
+        for i, o in engine.finished.items():  # a chat turn done: the next one resends it all
+            turn = after.get(i)
+            if turn is not None and o.error is None:
+                prompts[turn["id"]] = prompts[i] + o.token_ids + turn["user"]
+                pending.append(dict(turn, arrival=time.perf_counter() - start))
         outputs.update(engine.finished)
         engine.finished.clear()
     wall = max(t for o in outputs.values() for t in o.token_times) - start
@@ -222,7 +302,7 @@ def serve(
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
     generated = sum(len(o.token_ids) for o in outputs.values())
-    prompt = sum(len(r["prompt"]) for r in reqs)
+    prompt = sum(map(len, prompts.values()))
     ttft = [o.ttft for o in outputs.values()]
     itl = [
         b - a
@@ -248,6 +328,8 @@ def serve(
         steps=dict(engine.steps),
         preemptions=engine.preemptions,
         requests=len(outputs),
+        prompt_tokens=prompt,
+        cached_tokens=sum(o.cached_tokens for o in outputs.values()),
     )
 
 
@@ -317,7 +399,14 @@ def main() -> None:
         args.peft_requests = min(args.peft_requests, 2)
         if math.isfinite(args.rate):
             args.rate = max(args.rate, 50.0)
-    max_seq_len = args.max_seq_len or args.prompt_len[1] + args.output_len + 1
+        args.shared_len, args.per_group, args.conversations, args.turns = 16, 3, 3, 3
+        args.user_len = 6
+    longest = {
+        "mixed": args.prompt_len[1],
+        "shared-prefix": args.shared_len + args.prompt_len[1],
+        "chat": args.prompt_len[0] + (args.turns - 1) * (args.user_len + args.output_len),
+    }[args.workload]
+    max_seq_len = args.max_seq_len or longest + args.output_len + 1
     shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max_seq_len)
     work = Path(tempfile.mkdtemp(prefix="lora_graph_serve_"))
     hf_config = LlamaConfig(**shapes)
@@ -334,11 +423,12 @@ def main() -> None:
         policy = KernelPolicy(side_stream_max_rows=args.side_stream_rows)
     reqs = workload(args, names, shapes["vocab_size"])
     mark_extras(args, reqs)
+    first = [r for r in reqs if "prompt" in r]  # (a chat's later turns are built as it goes)
+    mean = statistics.mean(len(r["prompt"]) for r in first)
     print(
-        f"{len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (mean "
-        f"{statistics.mean(len(r['prompt']) for r in reqs):.0f}), {args.output_len} new tokens "
-        f"each, {sum(r['adapter'] is None for r in reqs)} base, adapters {args.popularity}, rate "
-        f"{args.rate}/s, {device}",
+        f"{args.workload}: {len(reqs)} requests, first prompts {mean:.0f} tokens on average,"
+        f" {args.output_len} new tokens each, "
+        f"{sum(r['adapter'] is None for r in reqs)} base, rate {args.rate}/s, {device}",
         flush=True,
     )
     common = dict(
@@ -365,16 +455,19 @@ def main() -> None:
             pipe.enable_compile(args.compile, progress=False)
         capture = time.perf_counter() - t0
         engine = LLMEngine(pipe, async_scheduling=True)
-        warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(reqs[:2])]
+        warm = [dict(r, id=f"warm{i}", arrival=0.0) for i, r in enumerate(first[:2])]
         serve(engine, warm, 2, base_only=base_only)  # first-call costs out of the numbers
-        engine.steps = {"prefill": 0, "decode": 0}
-        engine.scheduler.preemptions = 0
-        m = serve(engine, reqs, args.output_len, base_only=base_only)
-        m["capture_s"] = capture
-        results["runs"][label] = m
-        print(f"{label}: {summary(m)}", flush=True)
+        for caching in (True, False) if args.compare_prefix_caching else (True,):
+            engine = LLMEngine(pipe, async_scheduling=True, enable_prefix_caching=caching)
+            engine.reset_prefix_cache()  # (a cold cache: nothing of the runs before)
+            m = serve(engine, reqs, args.output_len, base_only=base_only)
+            m["capture_s"] = capture
+            name = label if caching else f"{label} (no prefix cache)"
+            results["runs"][name] = m
+            print(f"{name}: {summary(m)}", flush=True)
         if lora is not None and (args.logprobs_share or args.json_share):
             engine = LLMEngine(pipe, async_scheduling=True)
+            engine.reset_prefix_cache()
             grammar = json_grammar(shapes["vocab_size"]) if args.json_share else None
             n_lp = sum(r["logprobs"] for r in reqs)
             n_json = sum(r["json"] for r in reqs)
@@ -385,6 +478,7 @@ def main() -> None:
             print(f"{label_x}: {summary(m)}", flush=True)
         if args.compare_sync:
             engine = LLMEngine(pipe, async_scheduling=False)
+            engine.reset_prefix_cache()
             m = serve(engine, reqs, args.output_len, base_only=base_only)
             m["capture_s"] = capture
             results["runs"][f"{label} (sync)"] = m
@@ -397,7 +491,7 @@ def main() -> None:
         run("base", None, True)
     run("lora", LoRAConfig(max_slots=args.max_loras, max_rank=16, kernel_policy=policy), False)
     if args.peft_requests:
-        sub = reqs[: args.peft_requests]
+        sub = first[: args.peft_requests]
         m = serve_peft(hf, work, names, sub, args.output_len)
         results["runs"][f"peft ({len(sub)} req)"] = m
         print(f"peft: {summary(m)}", flush=True)
@@ -405,18 +499,29 @@ def main() -> None:
     print()
     print(
         "| run | requests | wall s | output tok/s | total tok/s | TTFT p50 ms | TTFT p90 ms | "
-        "ITL p50 ms | ITL p90 ms | capture s |"
+        "ITL p50 ms | ITL p90 ms | cached % | capture s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, m in results["runs"].items():
         cells = [label, m["requests"], f"{m['wall_s']:.2f}", f"{m['output_tok_s']:.0f}",
                  f"{m['total_tok_s']:.0f}", f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p90_ms']:.0f}",
                  f"{m['itl_p50_ms']:.1f}", f"{m['itl_p90_ms']:.1f}",
+                 f"{100 * m.get('cached_tokens', 0) / m.get('prompt_tokens', 1):.1f}",
                  f"{m.get('capture_s', float('nan')):.1f}"]  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
-    if "base" in results["runs"]:
-        ratio = results["runs"]["lora"]["wall_s"] / results["runs"]["base"]["wall_s"]
+    runs = results["runs"]
+    if "base" in runs:
+        ratio = runs["lora"]["wall_s"] / runs["base"]["wall_s"]
         print(f"\nLoRA mixed / base-only wall time: {ratio:.2f}")
+    for label in ("base", "lora"):
+        off = runs.get(f"{label} (no prefix cache)")
+        if off is not None:
+            on = runs[label]
+            print(
+                f"{label}: prefix cache off / on: wall {off['wall_s'] / on['wall_s']:.2f}, TTFT "
+                f"p90 {off['ttft_p90_ms'] / on['ttft_p90_ms']:.2f}; on / off wall "
+                f"{on['wall_s'] / off['wall_s']:.3f}"
+            )
     extra = [k for k in results["runs"] if "logprobs:5" in k]
     if extra:
         lora, x = results["runs"]["lora"], results["runs"][extra[0]]

@@ -272,6 +272,12 @@ class LLMEngine:
     def enable_prefix_caching(self) -> bool:
         return self.scheduler.prefix_cache.enabled
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (vLLM's ``reset_prefix_cache``): later requests compute
+        their prompts from scratch. Pages held by running requests stay theirs. Returns the
+        pages forgotten."""
+        return self.pages.forget_all()
+
     def prefix_cache_counts(self) -> dict[str, tuple[int, int]]:
         """Prompt tokens ``(cached, computed)`` by adapter name (``"base"``), counted at
         each request's first admission."""

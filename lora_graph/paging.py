@@ -161,6 +161,10 @@ class PagePool:
                 self._free.append(p)
         return len(pages)
 
+    def forget_all(self) -> int:
+        """Drop every page's key (a cold cache); returns how many."""
+        return sum(self.forget(owner) for owner in list(self._by_owner))
+
     def _unkey(self, page: int, owner_known: bool = False) -> None:
         key = self._key_of.pop(page)
         del self._page_of[key]

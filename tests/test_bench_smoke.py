@@ -6,6 +6,7 @@ imported torch, transformers and peft once (:func:`run_bench`)."""
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing
 import os
 import re
@@ -155,6 +156,21 @@ def test_serve_smoke_with_arrivals(tmp_path):
     assert "| lora + logprobs:5 (" in proc.stdout and "with logprobs and JSON / without" in (
         proc.stdout
     )
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "chat"])
+def test_serve_smoke_prefix_cache_workloads(tmp_path, workload):
+    """bench/serve.py's shared-prefix and multi-turn chat workloads, the cache on and off:
+    the cache serves a share of the prompt tokens, none when it is off."""
+    args = ["--smoke", "--workload", workload, "--skip-base", "--peft-requests", "0",
+            "--compare-prefix-caching", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    proc = run_bench("serve.py", args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert (
+        runs["lora"]["cached_tokens"] > 0 and runs["lora (no prefix cache)"]["cached_tokens"] == 0
+    )
+    assert "lora: prefix cache off / on: wall" in proc.stdout
 
 
 @pytest.mark.parametrize(
