@@ -33,6 +33,10 @@
 #                                   graphs) and bench/serve.py with 25% of requests asking logprobs: 5
 #                                   and 10% a JSON schema against the plain workload (needs the wheels
 #                                   of bench/server_wheels.sh carried in bench/out/wheels: xgrammar)
+#   bash bench/gpu_run.sh prefix    prefix caching: its GPU tests, bench/serve.py's shared-prefix workload (8 adapters and
+#                                   base, 2,048-token system prompts) all at once and at 16 requests/s, cache on and off
+#   bash bench/gpu_run.sh prefix2   prefix caching on and off on the mixed workload (no sharing: its cost) and the
+#                                   multi-turn chat workload (the cached share of prompt tokens)
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -93,6 +97,17 @@ for stage in "$@"; do
       python3 bench/serve.py --peft-requests 2 --compare-sync --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v Warning | tail -12
       python3 bench/serve.py --rate 8 --requests 128 --skip-base --peft-requests 0 --json "$OUT/serve_rate8.json" \
         2>&1 | tee "$OUT/serve_rate8.log" | grep -v Warning | tail -8 ;;
+    prefix)  # prefix caching: its GPU tests, then the shared-prefix workload all at once and at 16/s
+      python3 -m pytest -rs -m gpu -p no:cacheprovider tests/test_prefix_cache.py 2>&1 | tee "$OUT/gpu_prefix.log" | tail -4
+      python3 bench/serve.py --workload shared-prefix --compare-prefix-caching --skip-base --peft-requests 0 \
+        --json "$OUT/serve_shared.json" 2>&1 | tee "$OUT/serve_shared.log" | grep -v Warning | tail -8
+      python3 bench/serve.py --workload shared-prefix --rate 16 --compare-prefix-caching --skip-base \
+        --peft-requests 0 --json "$OUT/serve_shared16.json" 2>&1 | tee "$OUT/serve_shared16.log" | grep -v Warning | tail -8 ;;
+    prefix2)  # prefix caching: its cost on the mixed workload (no sharing), and multi-turn chat
+      python3 bench/serve.py --compare-prefix-caching --peft-requests 0 --json "$OUT/serve_mixed_pc.json" 2>&1 \
+        | tee "$OUT/serve_mixed_pc.log" | grep -v Warning | tail -10
+      python3 bench/serve.py --workload chat --output-len 64 --compare-prefix-caching --skip-base --peft-requests 0 \
+        --json "$OUT/serve_chat.json" 2>&1 | tee "$OUT/serve_chat.log" | grep -v Warning | tail -8 ;;
     extras)
       python3 -m pip install -q --no-index --find-links bench/out/wheels xgrammar jsonschema fastapi \
         uvicorn prometheus_client openai httpx 2>&1 | tail -2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import make_pipeline, prompts
 
 from lora_graph.engine import LLMEngine, Request, SamplingParams
@@ -247,3 +248,34 @@ def test_randomized_churn_with_the_cache_equals_without(tiny):
     for e in (engine, cold_engine):
         assert e.pages.num_free == e.pages.capacity
         assert all(e.pages.refs(p) == 0 for p in range(e.pages.num_pages))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["gqa", "qwen2_window"])
+def test_gpu_cuda_graphs_reuse_cached_pages(tiny_factory, reference_factory, kind):
+    """On CUDA with captured graphs, the Triton attention kernel and asynchronous
+    scheduling: prompts on a shared 3-page prefix under A, base and A reloaded with C's
+    weights; hits only within one identity, outputs equal peft's (float32) and the cache
+    off."""
+    t = tiny_factory(kind)
+    ref = reference_factory(t)
+    shared = prompts(1, seed=330, min_len=14, max_len=14)[0]
+    tails = [[9], [10, 11], [12, 13, 14], [15]]
+    runs = {}
+    for caching in (True, False):
+        pipe = make_pipeline(t, device="cuda", page_size=PAGE, max_num_batched_tokens=16,
+                             load=("A", "B"))  # fmt: skip
+        pipe.enable_compile("cudagraph", token_buckets=(8, 16), progress=False)
+        engine = LLMEngine(pipe, enable_prefix_caching=caching)
+        out = [_phase(engine, shared, "A", "a", tails), _phase(engine, shared, None, "n", tails)]
+        engine.add_lora(str(t.adapters["C"]), name="A")
+        out.append(_phase(engine, shared, "A", "c", tails))
+        assert sum(g.replays for g in pipe.graphs.graphs.values()) > 0
+        runs[caching] = out
+    for phase, (name, hot, cold) in enumerate(zip(["A", None, "C"], runs[True], runs[False],
+                                                  strict=True)):  # fmt: skip
+        assert [o.cached_tokens for o in hot] == [0, 12, 12, 12], phase
+        assert [o.token_ids for o in hot] == [o.token_ids for o in cold], phase
+        for o, tail in zip(hot, tails, strict=True):
+            assert o.token_ids == ref.greedy(shared + tail, name, 6), (phase, o.id)
