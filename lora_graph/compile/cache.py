@@ -35,6 +35,10 @@ from lora_graph.step import ModelInputs, StepBuffer
 Mode = Literal["inductor", "cudagraph"]
 
 
+# capture keys compiled so far in this process (:meth:`GraphCache.capture`)
+_KEYS_CAPTURED = 0
+
+
 class CapturablePipeline(Protocol):
     """What the graph cache uses of a pipeline (:class:`~lora_graph.pipeline.PipelineModel`
     is one): its sizes and device, the module it runs and the regions it compiles, the
@@ -208,7 +212,12 @@ class GraphCache:
     def capture(self, *, progress: bool = True) -> None:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""
         keys = self.all_keys()
-        limit = 4 * len(keys) + 8
+        # dynamo's recompile limit counts the compiles of the step's code object over every
+        # pipeline this process has captured (each model instance recompiles it): raised by
+        # this capture's share, so a second or tenth pipeline does not hit it
+        global _KEYS_CAPTURED
+        _KEYS_CAPTURED += len(keys)
+        limit = 4 * _KEYS_CAPTURED + 8
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
