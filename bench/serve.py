@@ -54,7 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--requests", type=int, default=256, help="requests in the workload (default: 256)"
     )
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[128, 1024], metavar=("MIN", "MAX"))
+    p.add_argument(
+        "--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+        help="prompt lengths (shared-prefix: the suffix's; chat: MIN is the first message's; "
+        "default: 128 1024, shared-prefix 128 512)",
+    )  # fmt: skip
     p.add_argument(
         "--output-len", type=int, default=128, help="new tokens per request (default: 128)"
     )
@@ -143,7 +147,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default="bench/out/serve.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.prompt_len is None:
+        args.prompt_len = [128, 512] if args.workload == "shared-prefix" else [128, 1024]
+    return args
 
 
 def workload(args: argparse.Namespace, names: list[str], vocab: int) -> list[dict]:
