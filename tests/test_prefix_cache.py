@@ -186,8 +186,8 @@ def _churn_run(tiny, waves, caching: bool):
     applied while they run) through a pool of 24 pages; returns the outputs by id and the
     engine."""
     pipe = make_pipeline(
-        tiny, page_size=PAGE, max_batch_size=16, max_seq_len=48, kv_cache_tokens=192,
-        max_num_batched_tokens=128, load=("A", "B"),
+        tiny, page_size=PAGE, max_batch_size=32, max_seq_len=48, kv_cache_tokens=320,
+        max_num_batched_tokens=256, load=("A", "B"),
     )  # fmt: skip
     engine = LLMEngine(pipe, enable_prefix_caching=caching)
     for reqs, aborts, event in waves:
@@ -204,7 +204,7 @@ def _churn_run(tiny, waves, caching: bool):
             engine.remove_lora("B")
         elif event == "load B":
             engine.add_lora(str(tiny.adapters["B"]), name="B")
-        for _ in range(30):  # the next wave arrives while this one runs
+        for _ in range(12):  # the next wave arrives while this one runs
             engine.step()
     while engine.has_unfinished():
         engine.step()
@@ -222,7 +222,7 @@ def _churn_waves():
         for _ in range(100):
             adapter = g.choice([None, "A", "B"])
             tail = [g.randrange(3, 128) for _ in range(g.randrange(1, 7))]
-            new = g.choice([1, 1, 2, 2, 3, 20])
+            new = g.choice([1, 1, 2, 2, 3, 24])
             reqs.append(_greedy(f"r{n}", g.choice(heads) + tail, adapter, new))
             n += 1
         aborts = [r.id for r in g.sample(reqs, 3)]

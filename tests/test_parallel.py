@@ -1,0 +1,167 @@
+"""Tensor parallelism's sharding rules (:mod:`lora_graph.parallel`): each rank's share of a
+base weight and of an adapter's A and B, for column, row, replicated (GQA's K/V) and
+vocabulary-parallel targets at sizes 2, 4 and 8, against slices cut by hand, and the
+shares' outputs put back together equal the whole layer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_graph.parallel import TPRank, column_rows, shard_lora, shard_weight, unit_rows
+from lora_graph.targets import LoraTarget
+
+HEAD = 2  # head_dim
+# q: 8 heads (16 rows), k and v: 2 heads (4 rows each): fused rows q 0-15, k 16-19, v 20-23
+QKV = LoraTarget(16, (16, 4, 4), "column", ("q_proj", "k_proj", "v_proj"), slice_units=(8, 2, 2))
+GATE_UP = LoraTarget(16, (24, 24), "column", ("gate_proj", "up_proj"))
+O_PROJ = LoraTarget(16, (16,), "row", ("o_proj",))
+DOWN = LoraTarget(24, (16,), "row", ("down_proj",))
+EMBED = LoraTarget(64, (16,), "none", ("embed_tokens",), kind="embedding")
+LM_HEAD = LoraTarget(16, (64,), "column", ("lm_head",), per_segment=True)
+RANK = 4
+
+
+def _adapter(target: LoraTarget, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    a = [torch.randn(RANK, target.in_features, generator=g) for _ in target.out_slices]
+    b = [torch.randn(w, RANK, generator=g) for w in target.out_slices]
+    return a, b
+
+
+def test_hand_cut_shares_at_size_2():
+    w = torch.arange(24 * 16.0).reshape(24, 16)
+    a, b = _adapter(QKV, 0)
+    tp = TPRank(1, 2)
+    # rank 1: q heads 4-7 (rows 8-15), k head 1 (rows 18-19), v head 1 (rows 22-23)
+    assert torch.equal(shard_weight(QKV, w, tp), torch.cat([w[8:16], w[18:20], w[22:24]]))
+    a1, b1 = shard_lora(QKV, a, b, tp)
+    assert all(torch.equal(x, y) for x, y in zip(a1, a, strict=True))  # A replicated
+    assert [torch.equal(x, y) for x, y in zip(b1, [b[0][8:16], b[1][2:4], b[2][2:4]],
+                                              strict=True)] == [True] * 3  # fmt: skip
+    # row: o_proj's input columns 8-15, A's too, B whole
+    wo = torch.arange(16 * 16.0).reshape(16, 16)
+    ao, bo = _adapter(O_PROJ, 1)
+    assert torch.equal(shard_weight(O_PROJ, wo, tp), wo[:, 8:16])
+    ao1, bo1 = shard_lora(O_PROJ, ao, bo, tp)
+    assert torch.equal(ao1[0], ao[0][:, 8:16]) and torch.equal(bo1[0], bo[0])
+    # vocabulary-parallel embedding: rows 32-63 of the table, A's columns 32-63, B whole
+    we = torch.arange(64 * 16.0).reshape(64, 16)
+    ae, be = _adapter(EMBED, 2)
+    assert torch.equal(shard_weight(EMBED, we, tp), we[32:64])
+    ae1, be1 = shard_lora(EMBED, ae, be, tp)
+    assert torch.equal(ae1[0], ae[0][:, 32:64]) and torch.equal(be1[0], be[0])
+    # the LM head over the vocabulary: rows 32-63, B's rows too, A whole
+    wl = torch.arange(64 * 16.0).reshape(64, 16)
+    al, bl = _adapter(LM_HEAD, 3)
+    assert torch.equal(shard_weight(LM_HEAD, wl, tp), wl[32:64])
+    al1, bl1 = shard_lora(LM_HEAD, al, bl, tp)
+    assert torch.equal(al1[0], al[0]) and torch.equal(bl1[0], bl[0][32:64])
+
+
+@pytest.mark.parametrize(
+    "size, rank, q, kv",
+    [
+        (4, 3, (12, 16), (2, 4)),  # q heads 6-7; k/v 2 heads < 4 ranks: ranks 2-3 share head 1
+        (4, 1, (4, 8), (0, 2)),  # ranks 0-1 share K/V head 0
+        (8, 5, (10, 12), (2, 4)),  # q head 5; ranks 4-7 share K/V head 1
+        (8, 0, (0, 2), (0, 2)),
+    ],
+)
+def test_kv_heads_replicated_across_groups_of_ranks(size, rank, q, kv):
+    tp = TPRank(rank, size)
+    assert column_rows(QKV, tp) == [q, kv, kv]
+    w = torch.randn(24, 16)
+    want = torch.cat([w[q[0] : q[1]], w[16 + kv[0] : 16 + kv[1]], w[20 + kv[0] : 20 + kv[1]]])
+    assert torch.equal(shard_weight(QKV, w, tp), want)
+
+
+def _column_output(target, w, a, b, x, size):
+    """Each rank's output rows (its base share plus its LoRA delta) written into the whole
+    output; a replicated unit is written by each of its ranks, which must agree."""
+    out = torch.full((x.shape[0], target.out_features), float("nan"), dtype=x.dtype)
+    for r in range(size):
+        tp = TPRank(r, size)
+        wr = shard_weight(target, w, tp)
+        ar, br = shard_lora(target, a, b, tp)
+        delta = torch.cat([x @ a_s.T @ b_s.T for a_s, b_s in zip(ar, br, strict=True)], dim=1)
+        y = x @ wr.T + delta
+        at = 0
+        for s, (start, stop) in enumerate(column_rows(target, tp)):
+            offset = target.slice_rows(s)[0]
+            part = y[:, at : at + stop - start]
+            seen = out[:, offset + start : offset + stop]
+            if not seen.isnan().all():
+                torch.testing.assert_close(part, seen)  # a replica computes the same rows
+            out[:, offset + start : offset + stop] = part
+            at += stop - start
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("target", [QKV, GATE_UP, LM_HEAD], ids=["qkv", "gate_up", "lm_head"])
+def test_column_shares_put_together_equal_the_whole_layer(size, target):
+    g = torch.Generator().manual_seed(size)
+    w = torch.randn(target.out_features, target.in_features, generator=g, dtype=torch.float64)
+    a, b = _adapter(target, size)
+    a, b = [t.double() for t in a], [t.double() for t in b]
+    x = torch.randn(5, target.in_features, generator=g, dtype=torch.float64)
+    whole = x @ w.T + torch.cat([x @ a_s.T @ b_s.T for a_s, b_s in zip(a, b, strict=True)], 1)
+    torch.testing.assert_close(_column_output(target, w, a, b, x, size), whole)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("target", [O_PROJ, DOWN], ids=["o", "down"])
+def test_row_partial_sums_with_the_delta_equal_the_whole_layer(size, target):
+    """Each rank's partial output, its LoRA delta added before the all-reduce: the sum over
+    ranks (the all-reduce) is the whole layer's output."""
+    g = torch.Generator().manual_seed(10 + size)
+    w = torch.randn(target.out_features, target.in_features, generator=g, dtype=torch.float64)
+    a, b = _adapter(target, size)
+    a, b = [a[0].double()], [b[0].double()]
+    x = torch.randn(5, target.in_features, generator=g, dtype=torch.float64)
+    total = torch.zeros(5, target.out_features, dtype=torch.float64)
+    step = target.in_features // size
+    for r in range(size):
+        tp = TPRank(r, size)
+        xr = x[:, r * step : (r + 1) * step]  # the rank's input: the column part before it
+        (ar,), (br,) = shard_lora(target, a, b, tp)
+        total += xr @ shard_weight(target, w, tp).T + xr @ ar.T @ br.T
+    torch.testing.assert_close(total, x @ w.T + x @ a[0].T @ b[0].T)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_vocabulary_parallel_embedding_sums_to_the_whole(size):
+    """Each rank looks up the tokens of its vocabulary range (zeros for the others), its
+    LoRA delta from its columns of A: the sum over ranks is the whole embedding's."""
+    g = torch.Generator().manual_seed(20 + size)
+    w = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    (a,), (b,) = _adapter(EMBED, size)
+    a, b = a.double(), b.double()
+    tokens = torch.randint(0, 64, (9,), generator=g)
+    total = torch.zeros(9, 16, dtype=torch.float64)
+    for r in range(size):
+        tp = TPRank(r, size)
+        (ar,), (br,) = shard_lora(EMBED, [a], [b], tp)
+        wr = shard_weight(EMBED, w, tp)
+        start = r * 64 // size
+        local = tokens - start
+        mine = (local >= 0) & (local < wr.shape[0])
+        rows = torch.where(mine, local, 0)
+        part = wr[rows] + ar[:, rows].T @ br.T
+        total += torch.where(mine[:, None], part, 0.0)
+    torch.testing.assert_close(total, w[tokens] + a[:, tokens].T @ b.T)
+
+
+def test_units_that_do_not_split_are_refused_by_name():
+    with pytest.raises(ValueError, match="slice 'q_proj': 8 units .* do not split among 3"):
+        column_rows(QKV, TPRank(0, 3))
+    odd = LoraTarget(16, (12, 6, 6), "column", ("q_proj", "k_proj", "v_proj"),
+                     slice_units=(4, 2, 2))  # fmt: skip
+    with pytest.raises(ValueError, match="slice 'k_proj': 8 ranks do not split among its 3"):
+        unit_rows(6, 3, TPRank(0, 8), "slice 'k_proj'")
+    with pytest.raises(ValueError, match="slice 'q_proj': 12 rows are not 5 equal units"):
+        unit_rows(12, 5, TPRank(0, 2), "slice 'q_proj'")
+    with pytest.raises(ValueError, match="rank 2 of size 2"):
+        TPRank(2, 2)
+    assert column_rows(odd, TPRank(1, 2)) == [(6, 12), (3, 6), (3, 6)]
