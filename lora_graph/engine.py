@@ -168,6 +168,10 @@ class LLMEngine:
         #: returned, by request id (those that asked only)
         self.step_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self._new_prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        #: the prompt tokens reused from the prefix cache of the requests whose first token
+        #: the last :meth:`step` returned, by request id
+        self.step_cached_tokens: dict[str, int] = {}
+        self._new_cached_tokens: dict[str, int] = {}
         self._steps_run = 0
 
     @property
@@ -368,6 +372,10 @@ class LLMEngine:
         manager = self.pipeline.manager
         LoraReqConfig(request.adapter).validate(manager.loras if manager is not None else ())
         request.sampling.validate()
+        if request.cache_salt is not None and (
+            not isinstance(request.cache_salt, str) or not request.cache_salt
+        ):
+            raise ValueError("cache_salt must be a non-empty string")
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -462,6 +470,7 @@ class LLMEngine:
         out, self._new_tokens = self._new_tokens, []
         self.step_logprobs, self._new_logprobs = self._new_logprobs, []
         self.step_prompt_logprobs, self._new_prompt_logprobs = self._new_prompt_logprobs, {}
+        self.step_cached_tokens, self._new_cached_tokens = self._new_cached_tokens, {}
         return out
 
     def _drain(self) -> None:
@@ -586,8 +595,10 @@ class LLMEngine:
             seq.token_times.append(now)
             self._new_tokens.append((seq.request.id, token))
             self._new_logprobs.append(logprob)
-            if len(seq.generated) == 1 and seq.request.sampling.prompt_logprobs is not None:
-                self._new_prompt_logprobs[seq.request.id] = list(seq.prompt_logprobs)
+            if len(seq.generated) == 1:
+                self._new_cached_tokens[seq.request.id] = seq.cached_tokens or 0
+                if seq.request.sampling.prompt_logprobs is not None:
+                    self._new_prompt_logprobs[seq.request.id] = list(seq.prompt_logprobs)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._leave(seq)

@@ -10,6 +10,7 @@ over the *identity* that computed it, its parent page's key and its own token id
 
     root(base)       = sha256("lora_graph/prefix/base")
     root(version v)  = sha256("lora_graph/prefix/lora/" + v)
+    salted root      = sha256("lora_graph/prefix/salt/" || root || cache_salt)
     key(page 0)      = sha256(root || tokens[0:P] as int64)
     key(page i)      = sha256(key(page i-1) || tokens[iP:(i+1)P] as int64)
 
@@ -23,6 +24,11 @@ and after every unload, so a reload can never hit its predecessor's pages, and u
 version drops its pages (:meth:`lora_graph.paging.PagePool.forget`). Every key's input
 starts with a 32-byte digest and continues in 8-byte tokens, so no token sequence or
 request field can reach another identity's keys short of a sha256 collision.
+
+A request's ``cache_salt`` (vLLM's field) salts its root: it shares pages only with
+requests of the same identity *and* salt, so a tenant's secret salt keeps other tenants
+from learning its prompts by timing their own. A page's *owner* is its identity's
+unsalted root, so unloading an adapter version drops its salted pages too.
 
 Policy (vLLM's): a request reuses the longest chain of cached pages under its identity,
 but always computes at least its last prompt token (its logits are needed), so at most
@@ -49,11 +55,16 @@ from lora_graph.requests import RequestState
 BASE_ROOT = hashlib.sha256(b"lora_graph/prefix/base").digest()
 
 
-def identity_root(version: int | None) -> bytes:
-    """The chain root of the base model (``version`` None) or of an adapter version."""
+def identity_root(version: int | None, salt: str | None = None) -> bytes:
+    """The chain root of the base model (``version`` None) or of an adapter version, salted
+    by a request's ``cache_salt`` if it has one."""
     if version is None:
-        return BASE_ROOT
-    return hashlib.sha256(b"lora_graph/prefix/lora/" + str(version).encode()).digest()
+        root = BASE_ROOT
+    else:
+        root = hashlib.sha256(b"lora_graph/prefix/lora/" + str(version).encode()).digest()
+    if salt is None:
+        return root
+    return hashlib.sha256(b"lora_graph/prefix/salt/" + root + salt.encode()).digest()
 
 
 def page_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -81,7 +92,9 @@ class PrefixCache:
     def root(seq: RequestState) -> bytes:
         """The chain root of the identity that computes ``seq``'s K and V."""
         if seq.root is None:
-            seq.root = identity_root(seq.hold.version if seq.hold is not None else None)
+            version = seq.hold.version if seq.hold is not None else None
+            seq.owner = identity_root(version)
+            seq.root = identity_root(version, seq.request.cache_salt)
         return seq.root
 
     def _keys(self, seq: RequestState, pages: int) -> list[bytes]:
@@ -126,7 +139,7 @@ class PrefixCache:
         if full <= seq.keyed:
             return
         keys = self._keys(seq, full)
-        root = self.root(seq)
+        self.root(seq)
         for i in range(seq.keyed, full):
-            self.pool.cache(seq.pages[i], keys[i], root)
+            self.pool.cache(seq.pages[i], keys[i], seq.owner)
         seq.keyed = full

@@ -61,6 +61,9 @@ class LoadedAdapter:
     rank: int
     pinned: bool
     version: int = field(default_factory=lambda: next(_VERSIONS))
+    # the versions of the same weights retired into this one's routing key (their requests
+    # now route here; their cached pages are dropped with it)
+    merged: list[int] = field(default_factory=list)
 
 
 class AdapterRegistry:
@@ -128,8 +131,13 @@ class AdapterRegistry:
         """Forget an unheld version at once."""
         entry = self._entries.pop(key, None)
         self._unloading.discard(key)
-        if entry is not None and self.on_forget is not None:
-            self.on_forget(entry.version)
+        if entry is not None:
+            self._forget(entry)
+
+    def _forget(self, entry: LoadedAdapter) -> None:
+        if self.on_forget is not None:
+            for version in (entry.version, *entry.merged):
+                self.on_forget(version)
 
     def acquire(self, name: str) -> AdapterRef:
         """Hold the current version of ``name`` for a request that names it.
@@ -166,6 +174,8 @@ class AdapterRegistry:
         if not merged:
             entry.name, entry.pinned = alias, False
             self._entries[alias] = entry
+        else:
+            self._entries[alias].merged += [entry.version, *entry.merged]
         holds = self._holds.pop(name, [])
         for ref in holds:
             ref.key = alias
@@ -193,7 +203,5 @@ class AdapterRegistry:
         freed = [k for k in self._unloading if k not in running and not self._holds.get(k)]
         for key in freed:
             self._unloading.discard(key)
-            entry = self._entries.pop(key)
-            if self.on_forget is not None:
-                self.on_forget(entry.version)
+            self._forget(self._entries.pop(key))
         return freed

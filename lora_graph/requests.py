@@ -190,12 +190,15 @@ class TokenLogprob:
 
 @dataclass
 class Request:
-    """One generation request: prompt token ids and the adapter it runs under (None: base)."""
+    """One generation request: prompt token ids and the adapter it runs under (None: base).
+    ``cache_salt`` (vLLM's field): its prefix cache pages are shared only with requests of
+    the same salt (a tenant's secret keeps others from timing its prompts)."""
 
     id: str
     prompt_token_ids: list[int]
     adapter: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -246,10 +249,12 @@ class RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # if its sampling asks
     matcher: Any = None  # its grammar's matcher (xgrammar), advanced by each token read
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by position
-    # prefix caching (lora_graph.prefix_cache): its identity's chain root, its full pages'
+    # prefix caching (lora_graph.prefix_cache): its identity's chain root (salted), its
+    # owner (the unsalted root, by which an unload drops its pages), its full pages'
     # keys so far, how many of its pages are keyed, and the prompt tokens it reused when
     # first admitted (None before)
     root: bytes | None = None
+    owner: bytes = b""  # its identity's unsalted root (set with root)
     page_keys: list[bytes] = field(default_factory=list)
     keyed: int = 0
     cached_tokens: int | None = None

@@ -130,6 +130,52 @@ def test_unloading_drops_a_versions_pages(tiny):
     assert out[0].cached_tokens == 0  # a new version: its own pages only
 
 
+def test_cache_salt_separates_tenants(tiny):
+    """vLLM's ``cache_salt``: the same prompt under the same adapter shares pages only with
+    requests of the same salt; an empty salt is refused."""
+    shared = prompts(1, seed=317, min_len=13, max_len=13)[0]
+    engine = LLMEngine(make_pipeline(tiny, page_size=PAGE))
+
+    def cached(rid: str, salt: str | None) -> int:
+        req = _greedy(rid, shared, "A")
+        req.cache_salt = salt
+        out = engine.generate([req])[0]
+        assert out.error is None, out.error
+        return out.cached_tokens
+
+    assert [cached("0", None), cached("1", "t1"), cached("2", "t1"), cached("3", "t2"),
+            cached("4", None)] == [0, 0, 12, 0, 12]  # fmt: skip
+    bad = _greedy("5", shared, "A")
+    bad.cache_salt = ""
+    assert engine.generate([bad])[0].error == "cache_salt must be a non-empty string"
+    # an unload drops the salted pages with the version's own
+    key = page_key(identity_root(_version(engine, "A"), "t1"), shared[:PAGE])
+    assert engine.pages.lookup(key) is not None
+    engine.remove_lora("A")
+    engine.generate([_greedy("n", shared, None)])
+    assert engine.pages.lookup(key) is None
+
+
+def test_a_version_retired_twice_into_one_alias_drops_every_page(tiny):
+    """A's weights W1 held by a running request when reloaded with W2, then W1 again while
+    it still runs, then W2: the two retired W1 versions share one routing key
+    (``A@<digest>``); once nothing holds them and A is unloaded, no page of any of its
+    versions stays cached (found by a helper's trial: the merged version's pages stayed)."""
+    engine = LLMEngine(make_pipeline(tiny, page_size=PAGE, max_batch_size=4))
+    shared = prompts(1, seed=318, min_len=13, max_len=13)[0]
+    paths = [tiny.adapters["A"], tiny.adapters["C"]] * 2
+    for i, path in enumerate(paths):
+        engine.add_lora(str(path), name="A")
+        engine.add_request(_greedy(f"r{i}", shared + [3 + i], "A", 30))
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    engine.remove_lora("A")
+    engine.generate([_greedy("n", [5], None, 1)])  # (a step without A: its unload done)
+    assert engine.pages.num_cached == 0
+
+
 @pytest.mark.parametrize("kind", ["qwen2_window", "phi3", "gemma2"])
 def test_sliding_window_layers_reuse_cached_pages(tiny_factory, reference_factory, kind):
     """Windows of 4-6 tokens, a shared prefix of 4 full pages (16 tokens) past them: the

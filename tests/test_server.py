@@ -637,7 +637,19 @@ def test_prefix_cache_usage_and_counters(served, client):
     again, text2 = cached("pirate")
     assert first == 0 and again == (n - 1) // 16 * 16 and text2 == text
     assert cached(MODEL)[0] == 0 and cached("shout")[0] == 0
-    assert metric(served, "lora_graph_prompt_tokens_cached_total", adapter="pirate") == hits + again
+    # a choice ended by a stop string (its engine request aborted) still reports its hit
+    stop = text.strip()[:2]
+    assert stop and cached("pirate", stop=[stop])[0] == again
+    # vLLM's cache_salt: pages shared only among requests of the same salt
+    assert cached("pirate", extra_body={"cache_salt": "tenant-1"})[0] == 0
+    assert cached("pirate", extra_body={"cache_salt": "tenant-1"})[0] == again
+    assert cached("pirate", extra_body={"cache_salt": "tenant-2"})[0] == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt must be a non-empty string"):
+        cached("pirate", extra_body={"cache_salt": ""})
+    # (hits: the plain repeat, the stop-string one and the second tenant-1 request)
+    assert metric(served, "lora_graph_prompt_tokens_cached_total", adapter="pirate") == (
+        hits + 3 * again
+    )
     assert metric(served, "lora_graph_prompt_tokens_computed_total", adapter="pirate") > 0
     assert metric(served, "lora_graph_kv_pages_cached") > 0
 

@@ -72,7 +72,7 @@ class Choice:
             APIError: 400 for a request whose adapter version was unloaded before it ran,
                 500 for another engine error (NaN logits, an adapter that cannot be read).
         """
-        self.cached_tokens = out.cached_tokens
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if self.done:
             return ""
         self.done = True

@@ -19,10 +19,13 @@ from lora_graph.engine import LLMEngine, Request, RequestOutput, TokenLogprob
 @dataclass
 class Watcher:
     """Where one engine request's tokens go: called on the engine thread. ``on_token``
-    takes the token, its logprob (None unless asked) and, with the first token of a
-    request that asked for them, its prompt's logprobs (else None)."""
+    takes the token, its logprob (None unless asked), with the first token of a request
+    that asked for them its prompt's logprobs (else None), and with the first token the
+    prompt tokens the prefix cache served (else None)."""
 
-    on_token: Callable[[int, TokenLogprob | None, list[TokenLogprob | None] | None], None]
+    on_token: Callable[
+        [int, TokenLogprob | None, list[TokenLogprob | None] | None, int | None], None
+    ]
     on_finish: Callable[[RequestOutput], None]
 
 
@@ -124,10 +127,11 @@ class EngineLoop:
                     continue
                 tokens = self.engine.step()
                 prompts = self.engine.step_prompt_logprobs
+                cached = self.engine.step_cached_tokens
                 for (request_id, token), lp in zip(tokens, self.engine.step_logprobs, strict=True):
                     watcher = self._watchers.get(request_id)
                     if watcher is not None:
-                        watcher.on_token(token, lp, prompts.get(request_id))
+                        watcher.on_token(token, lp, prompts.get(request_id), cached.get(request_id))
                 self._deliver_finished()
                 if self._on_step is not None:
                     self._on_step()

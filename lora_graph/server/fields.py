@@ -167,7 +167,11 @@ FIELDS: dict[str, Rule] = {
     "priority": Rule(NOOP, "first come, first served", noop=(0,)),
     "request_id": Rule(IGNORED, "responses carry the server's own ids", vllm="vLLM uses it"),
     "return_tokens_as_token_ids": Rule(NOOP, "tokens are returned as text", noop=(False,)),
-    "cache_salt": Rule(IGNORED, "no prefix cache yet: nothing to salt"),
+    "cache_salt": Rule(
+        SERVED,
+        "prefix-cache pages shared only among requests of the same salt (and adapter "
+        "version); a non-empty string",
+    ),
     "kv_transfer_params": Rule(REFUSED, "no disaggregated prefill here"),
     "vllm_xargs": Rule(REFUSED, "no custom extensions here"),
     "add_special_tokens": Rule(

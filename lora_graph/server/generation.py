@@ -79,8 +79,10 @@ class Generation:
     def advance(self, choice: Choice, event: str, value: Any) -> str:
         """Apply one event to ``choice``; return the text it newly emits."""
         if event == "token":
-            token, logprob, prompt_logprobs = value
+            token, logprob, prompt_logprobs, cached = value
             self.serving.metrics.generation_tokens.inc()
+            if cached is not None:  # (with the first token: a stop string may end it there)
+                choice.cached_tokens = cached
             if logprob is not None:
                 choice.logprobs.append(logprob)
             if prompt_logprobs is not None:

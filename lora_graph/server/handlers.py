@@ -172,7 +172,9 @@ class OpenAIServing:
                         functools.partial(lambda i, *t: put((i, "token", t)), c.index),
                         functools.partial(finished, c),
                     )
-                    loop.submit(Request(c.request_id, list(prompts[p]), adapter, s), watcher)
+                    request = Request(c.request_id, list(prompts[p]), adapter, s,
+                                      cache_salt=gen.body.cache_salt)  # fmt: skip
+                    loop.submit(request, watcher)
                     submitted.append(c.request_id)
             except ValueError:
                 for c in gen.choices:

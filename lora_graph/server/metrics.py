@@ -92,6 +92,9 @@ class Metrics:
         self.kv_pages_cached.set(pages.num_cached)
         counts = engine.prefix_cache_counts()
         for name, (cached, computed) in counts.items():
+            if name not in self._prefix_counts:  # both series from the adapter's first request
+                self.prefix_cached.labels(name)
+                self.prefix_computed.labels(name)
             was_cached, was_computed = self._prefix_counts.get(name, (0, 0))
             if cached > was_cached:
                 self.prefix_cached.labels(name).inc(cached - was_cached)
