@@ -35,6 +35,7 @@ the same captured graphs (each run starts from a cold cache).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import random
@@ -299,7 +300,8 @@ def serve(
             turn = after.get(i)
             if turn is not None and o.error is None:
                 prompts[turn["id"]] = prompts[i] + o.token_ids + turn["user"]
-                pending.append(dict(turn, arrival=time.perf_counter() - start))
+                arrival = time.perf_counter() - start
+                bisect.insort(pending, dict(turn, arrival=arrival), key=lambda r: r["arrival"])
         outputs.update(engine.finished)
         engine.finished.clear()
     wall = max(t for o in outputs.values() for t in o.token_times) - start
