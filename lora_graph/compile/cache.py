@@ -213,8 +213,8 @@ class GraphCache:
         """Compile (and on ``cudagraph``, capture) every key, with a progress bar."""
         keys = self.all_keys()
         # dynamo's recompile limit counts the compiles of the step's code object over every
-        # pipeline this process has captured (each model instance recompiles it): raised by
-        # this capture's share, so a second or tenth pipeline does not hit it
+        # pipeline this process has captured (each model instance recompiles it): raised to
+        # cover every capture so far, so a second or tenth pipeline does not hit it
         global _KEYS_CAPTURED
         _KEYS_CAPTURED += len(keys)
         limit = 4 * _KEYS_CAPTURED + 8
