@@ -93,6 +93,18 @@ def test_greedy_generation_matches_peft(kind, tiny_factory, reference_factory):
         assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 16), (
             f"{kind} adapter={req.adapter}"
         )
+    # the same engine again, each prompt extended to 18 tokens by its own output: its first
+    # 16-token page is now served from the prefix cache, computed under its own adapter
+    again = [
+        Request(f"again{r.id}", [*r.prompt_token_ids, *o.token_ids][:18], r.adapter,
+                SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for r, o in zip(requests, outputs, strict=True)
+    ]  # fmt: skip
+    for req, out in zip(again, engine.generate(again), strict=True):
+        assert out.cached_tokens == 16, req.id
+        assert out.token_ids == ref.greedy(req.prompt_token_ids, req.adapter, 8), (
+            f"{kind} adapter={req.adapter}, from the prefix cache"
+        )
 
 
 def test_requests_joining_mid_decode_match_peft(tiny, reference_factory):
