@@ -165,3 +165,40 @@ def test_units_that_do_not_split_are_refused_by_name():
     with pytest.raises(ValueError, match="rank 2 of size 2"):
         TPRank(2, 2)
     assert column_rows(odd, TPRank(1, 2)) == [(6, 12), (3, 6), (3, 6)]
+
+
+def _row_parallel_rank(rank: int, size: int, store: str, out: str) -> None:
+    """One rank of a row-parallel o_proj with an adapter (a spawned process): its input
+    columns, its share of the weight and of A, B whole, the delta added to the partial
+    output before ``tp_all_reduce``; the sum written by rank 0."""
+    from lora_graph.distributed import close_tensor_parallel, init_tensor_parallel, tp_all_reduce
+
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, size, init_method=store, backend="gloo")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 16, generator=g, dtype=torch.float64)
+    (a,), (b,) = _adapter(O_PROJ, 7)
+    x = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    (ar,), (br,) = shard_lora(O_PROJ, [a.double()], [b.double()], tp)
+    step = 16 // size
+    xr = x[:, rank * step : (rank + 1) * step]
+    y = tp_all_reduce(xr @ shard_weight(O_PROJ, w, tp).T + xr @ ar.T @ br.T)
+    if rank == 0:
+        torch.save({"got": y, "want": x @ w.T + x @ a.double().T @ b.double().T}, out)
+    close_tensor_parallel()
+
+
+def test_row_parallel_all_reduce_over_two_gloo_processes(tmp_path):
+    """``lora_graph::tp_all_reduce`` over 2 processes (gloo, the CPU's backend): the
+    row-parallel layer's partial outputs with their LoRA deltas sum to the whole layer's
+    output; without a group the op is the identity."""
+    import torch.multiprocessing as mp
+
+    from lora_graph.distributed import tensor_parallel, tp_all_reduce
+
+    out = tmp_path / "out.pt"
+    mp.spawn(_row_parallel_rank, args=(2, f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
+    result = torch.load(out)
+    torch.testing.assert_close(result["got"], result["want"])
+    x = torch.randn(3, 4)
+    assert tensor_parallel() is None and torch.equal(tp_all_reduce(x), x)
