@@ -285,11 +285,8 @@ class LLMEngine:
     def prefix_cache_counts(self) -> dict[str, tuple[int, int]]:
         """Prompt tokens ``(cached, computed)`` by adapter name (``"base"``), counted at
         each request's first admission."""
-        cache = self.scheduler.prefix_cache
-        return {
-            name: (cache.cached_tokens.get(name, 0), computed)
-            for name, computed in cache.computed_tokens.items()
-        }
+        counts = self.scheduler.prefix_cache.counts
+        return {name: (cached, computed) for name, (cached, computed) in counts.items()}
 
     def lora_slot_counts(self) -> tuple[int, int, int]:
         """Slot activations so far: ``(hits, loads, evictions)`` (zeros without LoRA)."""

@@ -155,7 +155,8 @@ class PagePool:
         they can no longer be reused; idle ones are free at once. Returns how many."""
         pages = self._by_owner.pop(owner, set())
         for p in pages:
-            self._unkey(p, owner_known=True)
+            del self._page_of[self._key_of.pop(p)]
+            del self._owner_of[p]
             if p in self._idle:
                 del self._idle[p]
                 self._free.append(p)
@@ -165,15 +166,13 @@ class PagePool:
         """Drop every page's key (a cold cache); returns how many."""
         return sum(self.forget(owner) for owner in list(self._by_owner))
 
-    def _unkey(self, page: int, owner_known: bool = False) -> None:
-        key = self._key_of.pop(page)
-        del self._page_of[key]
+    def _unkey(self, page: int) -> None:
+        del self._page_of[self._key_of.pop(page)]
         owner = self._owner_of.pop(page)
-        if not owner_known:
-            held = self._by_owner[owner]
-            held.discard(page)
-            if not held:
-                del self._by_owner[owner]
+        held = self._by_owner[owner]
+        held.discard(page)
+        if not held:
+            del self._by_owner[owner]
 
 
 __all__ = ["OutOfPagesError", "PagePool"]

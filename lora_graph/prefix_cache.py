@@ -78,30 +78,30 @@ class PrefixCache:
     queued step computed (:meth:`commit`). Off (``enabled=False``), :meth:`match` finds
     nothing and :meth:`commit` keys nothing.
 
-    Counters (per adapter name, ``"base"`` for the base model; counted at a request's
-    first admission): ``cached_tokens`` and ``computed_tokens`` of prompts.
+    ``counts``: prompt tokens ``[cached, computed]`` per adapter name (``"base"`` for the
+    base model), counted at each request's first admission.
     """
 
     def __init__(self, pool: PagePool, *, enabled: bool = True) -> None:
         self.pool = pool
         self.enabled = enabled
-        self.cached_tokens: dict[str, int] = {}
-        self.computed_tokens: dict[str, int] = {}
+        self.counts: dict[str, list[int]] = {}
 
     @staticmethod
-    def root(seq: RequestState) -> bytes:
-        """The chain root of the identity that computes ``seq``'s K and V."""
+    def roots(seq: RequestState) -> tuple[bytes, bytes]:
+        """``seq``'s chain root (salted) and owner (its identity's unsalted root), computed
+        once."""
         if seq.root is None:
             version = seq.hold.version if seq.hold is not None else None
             seq.owner = identity_root(version)
             seq.root = identity_root(version, seq.request.cache_salt)
-        return seq.root
+        return seq.root, seq.owner
 
     def _keys(self, seq: RequestState, pages: int) -> list[bytes]:
         """``seq``'s first ``pages`` page keys (extending the ones it has; its tokens up to
         there must be known)."""
         keys, size = seq.page_keys, self.pool.page_size
-        parent = keys[-1] if keys else self.root(seq)
+        parent = keys[-1] if keys else self.roots(seq)[0]
         for i in range(len(keys), pages):
             parent = page_key(parent, seq.tokens[i * size : (i + 1) * size])
             keys.append(parent)
@@ -123,11 +123,10 @@ class PrefixCache:
 
     def count(self, seq: RequestState, cached: int) -> None:
         """Record a request's first admission: ``cached`` of its prompt tokens reused."""
-        name = seq.request.adapter or "base"
-        prompt = len(seq.request.prompt_token_ids)
         seq.cached_tokens = cached
-        self.cached_tokens[name] = self.cached_tokens.get(name, 0) + cached
-        self.computed_tokens[name] = self.computed_tokens.get(name, 0) + prompt - cached
+        count = self.counts.setdefault(seq.request.adapter or "base", [0, 0])
+        count[0] += cached
+        count[1] += len(seq.request.prompt_token_ids) - cached
 
     def commit(self, seq: RequestState) -> None:
         """Key ``seq``'s full pages whose K and V are computed (or queued) and whose tokens
@@ -139,7 +138,7 @@ class PrefixCache:
         if full <= seq.keyed:
             return
         keys = self._keys(seq, full)
-        self.root(seq)
+        _, owner = self.roots(seq)
         for i in range(seq.keyed, full):
-            self.pool.cache(seq.pages[i], keys[i], seq.owner)
+            self.pool.cache(seq.pages[i], keys[i], owner)
         seq.keyed = full

@@ -29,7 +29,7 @@ class Choice:
     chars_sent: int = 0  # of the text (echo included), in parts sent
     started: bool = False  # its first part was sent
     tool_sent: int = 0  # characters of its text streamed as content (with tools)
-    cached_tokens: int = 0  # prompt tokens its engine request reused from the prefix cache
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (with its first token)
 
     def on_token(self, token: int, tokenizer: Any) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the
@@ -72,7 +72,6 @@ class Choice:
             APIError: 400 for a request whose adapter version was unloaded before it ran,
                 500 for another engine error (NaN logits, an adapter that cannot be read).
         """
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if self.done:
             return ""
         self.done = True

@@ -9,6 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from lora_graph.engine import LLMEngine, RequestOutput
 
 
+def _advance(counter: Counter, new: int, old: int) -> None:
+    """Move a Prometheus counter to an engine total it mirrors (``old``: its last value)."""
+    if new > old:
+        counter.inc(new - old)
+
+
 class Metrics:
     """The server's Prometheus metrics, in a registry of their own."""
 
@@ -86,8 +92,7 @@ class Metrics:
             self._slot_counts,
             strict=True,
         ):
-            if new > old:
-                counter.inc(new - old)
+            _advance(counter, new, old)
         self._slot_counts = now
         self.kv_pages_cached.set(pages.num_cached)
         counts = engine.prefix_cache_counts()
@@ -96,10 +101,8 @@ class Metrics:
                 self.prefix_cached.labels(name)
                 self.prefix_computed.labels(name)
             was_cached, was_computed = self._prefix_counts.get(name, (0, 0))
-            if cached > was_cached:
-                self.prefix_cached.labels(name).inc(cached - was_cached)
-            if computed > was_computed:
-                self.prefix_computed.labels(name).inc(computed - was_computed)
+            _advance(self.prefix_cached.labels(name), cached, was_cached)
+            _advance(self.prefix_computed.labels(name), computed, was_computed)
         self._prefix_counts = counts
 
     def observe_finished(self, out: RequestOutput, outcome: str | None = None) -> None:
