@@ -22,6 +22,7 @@ from lora_graph.models import bert, llama
 from lora_graph.models.bert import BertConfig, BertEncoderModel
 from lora_graph.models.gemma2 import Gemma2Config, Gemma2Model
 from lora_graph.models.llama import LlamaConfig, LlamaModel
+from lora_graph.parallel import TPRank
 from lora_graph.pipeline import PipelineModel, PipelineModelWithKVCache
 from lora_graph.step import SeqChunk
 from lora_graph.targets import LoraTarget
@@ -32,6 +33,7 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     config_class: type[LlamaConfig] = LlamaConfig
     model_class: type[LlamaModel] = LlamaModel
+    supports_tensor_parallel = True
 
     def _create_model_config(self, hf_config: Any) -> LlamaConfig:
         return self.config_class.from_hf(hf_config)
@@ -43,7 +45,11 @@ class LlamaPipeline(PipelineModelWithKVCache):
             page_size=self.page_size,
             max_seq_len=self.max_seq_len,
             dtype=self.dtype,
+            tp=self.tp,
         )
+
+    def _check_shards(self, tp: TPRank) -> None:
+        llama.shard_config(self.config, tp)
 
     @property
     def num_layers(self) -> int:
@@ -56,7 +62,7 @@ class LlamaPipeline(PipelineModelWithKVCache):
         return llama.hf_weights_adapter(state_dict)
 
     def kv_bytes_per_token(self) -> int:
-        c = self.config
+        c = self.config if self.tp is None else llama.shard_config(self.config, self.tp)
         return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
 
     def compile_regions(self) -> list[nn.Module]:
@@ -74,6 +80,7 @@ class Gemma2Pipeline(LlamaPipeline):
 
     config_class = Gemma2Config
     model_class = Gemma2Model
+    supports_tensor_parallel = False  # (its embedding scale and soft caps: not yet sharded)
 
 
 class BertPipeline(PipelineModel):

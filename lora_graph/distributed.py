@@ -7,11 +7,28 @@ LoRA deltas already added: :mod:`lora_graph.parallel`), the input itself when no
 set or it has one rank. As a custom op it is one opaque node to ``torch.compile``; on CUDA
 an NCCL all-reduce inside it is captured by CUDA graphs.
 
-The runner that shards a model and starts the ranks is not built yet (issue #30); this
-module is its first piece, tested with gloo on 2 CPU processes.
+The runner's side lives here too: :func:`start_workers` starts ranks ``1..size-1`` as
+processes of their own (``multiprocessing``'s spawn), each building the same pipeline at its
+rank and then serving rank 0's commands (:meth:`lora_graph.pipeline.PipelineModel.
+serve_worker`); rank 0 runs the scheduler and sends every command over one :class:`Wire`, a
+flat int32 buffer broadcast whole: a header (the command and its arguments) and, for a
+step, the step buffer and the routing. A worker that dies takes rank 0 down with a message
+naming it (:class:`Workers`' watchdog), never a hang in a collective; a worker whose rank 0
+dies exits.
 """
 
 from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import wait
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +37,8 @@ from torch import Tensor
 from lora_graph.parallel import TPRank
 
 _RANK: TPRank | None = None
+# in a worker process: (rank, init_method) it was started with, read by the pipeline it builds
+_ASSIGNED: tuple[int, str] | None = None
 
 
 def init_tensor_parallel(
@@ -38,6 +57,8 @@ def init_tensor_parallel(
         raise RuntimeError(f"this process is rank {_RANK.rank} of a group already")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    if backend == "nccl":  # (the communicator set up now, before any graph captures it)
+        dist.all_reduce(torch.zeros(1, device="cuda"))
     _RANK = tp
     return tp
 
@@ -58,9 +79,10 @@ def close_tensor_parallel() -> None:
 @torch.library.custom_op("lora_graph::tp_all_reduce", mutates_args=())
 def tp_all_reduce(x: Tensor) -> Tensor:
     """The sum of ``x`` over the tensor-parallel ranks (a new tensor, ``x``'s shape and
-    dtype); ``x`` copied when there is no group or one rank."""
+    dtype); ``x`` copied when there is no group. A group of one rank runs the collective
+    too (the distributed path at size 1, as measured against the plain one)."""
     out = x.clone()
-    if _RANK is not None and _RANK.size > 1:
+    if _RANK is not None:
         dist.all_reduce(out)
     return out
 
@@ -70,4 +92,168 @@ def _(x: Tensor) -> Tensor:
     return torch.empty_like(x)
 
 
-__all__ = ["close_tensor_parallel", "init_tensor_parallel", "tensor_parallel", "tp_all_reduce"]
+def agree_min(values: Sequence[int], device: torch.device) -> list[int]:
+    """Each of ``values``' minimum over the ranks (sizes every rank must share, as the KV
+    cache's pages: rank 0 hands out page numbers for all); the values themselves without
+    a group."""
+    if _RANK is None:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [int(v) for v in t.tolist()]
+
+
+# ---- the runner's processes and wire -------------------------------------------------
+STEP, SLOT, CAPTURE, STOP = 1, 2, 3, 4  # a wire header's command
+HEADER = 8  # ints of the header
+
+
+def worker_assignment() -> tuple[int, str] | None:
+    """In a worker process :func:`start_workers` started: ``(rank, init_method)``; else None."""
+    return _ASSIGNED
+
+
+def free_init_method() -> str:
+    """A ``tcp://127.0.0.1:<port>`` rendezvous on a port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Workers:
+    """Rank 0's handle on its worker processes: :meth:`close` stops them (also at exit);
+    a watchdog thread ends this process, with a message naming the worker, if one exits
+    before (rank 0 would otherwise wait in its next collective forever)."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
+        self.processes = processes
+        self.closing = False
+        threading.Thread(target=self._watch, name="lora_graph-tp-watchdog", daemon=True).start()
+        atexit.register(self.close)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        ready = wait(list(sentinels))
+        if self.closing:
+            return
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        process = self.processes[rank - 1]
+        process.join(timeout=1)
+        print(
+            f"lora_graph: tensor-parallel worker rank {rank} (pid {process.pid}) exited with "
+            f"code {process.exitcode}; stopping rank 0 (its collectives would wait for it "
+            "forever). The worker's own error, if any, is above.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    def close(self, stop: Any = None) -> None:
+        """Stop the workers: ``stop()`` (sends them STOP) if given, then join them
+        (terminated after 10 s)."""
+        if self.closing:
+            return
+        self.closing = True
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # (a group already broken: the workers are terminated below)
+                pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+
+
+def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Workers:
+    """Start ranks ``1..size-1``, each a spawned process that builds ``cls(*args,
+    **kwargs)`` (``build``, pickled) at its rank and serves rank 0's commands."""
+    ctx = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        p = ctx.Process(
+            target=_worker_main,
+            args=(rank, init_method, build),
+            name=f"lora_graph-tp-rank{rank}",
+            daemon=True,
+        )
+        p.start()
+        processes.append(p)
+    return Workers(processes)
+
+
+def _worker_main(rank: int, init_method: str, build: tuple[Any, ...]) -> None:
+    global _ASSIGNED
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # rank 0 gone: nothing will ever come over the wire
+
+        def orphaned() -> None:
+            wait([parent.sentinel])
+            os._exit(1)
+
+        threading.Thread(target=orphaned, daemon=True).start()
+    _ASSIGNED = (rank, init_method)
+    cls, args, kwargs = build
+    try:
+        pipeline = cls(*args, **kwargs)
+        pipeline.serve_worker()
+    except BaseException:
+        print(f"lora_graph: tensor-parallel worker rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    close_tensor_parallel()
+
+
+class Wire:
+    """The commands rank 0 sends its workers: one flat int32 buffer on the device, a
+    header of :data:`HEADER` ints (the command, its arguments) then ``parts`` (int32 device
+    tensors: the step buffer and the routing), broadcast whole from rank 0.
+
+    Args:
+        parts: the tensors a step carries, the same on every rank (persistent buffers).
+        device: where the wire lives (NCCL broadcasts device memory).
+    """
+
+    def __init__(self, parts: Sequence[Tensor], device: torch.device) -> None:
+        self.parts = list(parts)
+        total = HEADER + sum(p.numel() for p in self.parts)
+        self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
+        self.views = []
+        start = HEADER
+        for p in self.parts:
+            self.views.append(self.buffer[start : start + p.numel()])
+            start += p.numel()
+
+    def send(self, command: int, *args: int, carry: Sequence[int] = ()) -> None:
+        """Rank 0: broadcast ``command`` and ``args``, with the parts numbered ``carry``."""
+        header = torch.zeros(HEADER, dtype=torch.int32)
+        header[: 1 + len(args)] = torch.tensor([command, *args], dtype=torch.int32)
+        self.buffer[:HEADER].copy_(header)
+        for i in carry:
+            self.views[i].copy_(self.parts[i].view(-1))
+        dist.broadcast(self.buffer, src=0)
+
+    def receive(self) -> list[int]:
+        """A worker: wait for the next command; its header ``[command, *args]``."""
+        dist.broadcast(self.buffer, src=0)
+        return [int(v) for v in self.buffer[:HEADER].tolist()]
+
+    def unpack(self, carry: Sequence[int]) -> None:
+        """A worker: copy the parts numbered ``carry`` out of the wire into place."""
+        for i in carry:
+            self.parts[i].view(-1).copy_(self.views[i])
+
+
+__all__ = [
+    "Wire",
+    "Workers",
+    "agree_min",
+    "close_tensor_parallel",
+    "free_init_method",
+    "init_tensor_parallel",
+    "start_workers",
+    "tensor_parallel",
+    "tp_all_reduce",
+    "worker_assignment",
+]

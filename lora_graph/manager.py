@@ -31,6 +31,7 @@ from lora_graph.loading.adapter_files import (
     ModuleMap,
     resolve_adapter,
 )
+from lora_graph.parallel import TPRank, local_target, shard_image, shard_weight
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
 from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_batch
 from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
@@ -68,6 +69,10 @@ class LoRAManager:
         tied_modules: checkpoint modules the model ties to its input embedding, each to the
             embedding's module (PEFT's ``ensure_weight_tying``; see
             :func:`lora_graph.loading.peft_config.peft_weight_ties`).
+        tp: this rank of a tensor-parallel group (None: none). Adapters are read and kept
+            in the host tier whole (:attr:`layout`); the slots hold each rank's share
+            (:attr:`slot_layout`, :func:`lora_graph.parallel.local_target`), written
+            through :attr:`slot_writer` (the runner hands every rank its share).
 
     Slot 0 is the zero adapter; slots ``1..max_slots`` hold adapters. A slot that changes
     owner is overwritten whole from the adapter's normalised image, so targets the new
@@ -89,6 +94,7 @@ class LoRAManager:
         device: torch.device | str,
         ignored_modules: Collection[str] = (),
         tied_modules: Mapping[str, str] | None = None,
+        tp: TPRank | None = None,
     ) -> None:
         if config.targets is not None:
             unknown = set(config.targets) - set(targets)
@@ -102,7 +108,15 @@ class LoRAManager:
         self.num_layers = num_layers
         self.device = torch.device(device)
         self.dtype = config.dtype or dtype
+        self.tp = tp
         self.layout = SlotLayout(targets, num_layers, config.max_rank)
+        self.slot_layout = self.layout
+        if tp is not None:
+            local = {name: local_target(t, tp) for name, t in targets.items()}
+            self.slot_layout = SlotLayout(local, num_layers, config.max_rank)
+        #: tensor parallel: writes the shares of an image (one per rank) into a slot on
+        #: every rank (set by the runner); None: rank 0's share written here
+        self.slot_writer: Callable[[int, list[AdapterImage]], None] | None = None
         self.reader = AdapterReader(
             targets, module_map, num_layers, frozenset(ignored_modules), tied_modules
         )
@@ -112,7 +126,11 @@ class LoRAManager:
             config.cpu_capacity, pin=self.device.type == "cuda", spare=self.registry.is_unloading
         )
         self.slots = SlotPool(
-            config.num_slots, self.layout.numel, dtype=self.dtype, device=self.device
+            config.num_slots,
+            self.slot_layout.numel,
+            dtype=self.dtype,
+            device=self.device,
+            writer=self._write_shares if tp is not None else None,
         )
         self.routing = RoutingBuffer(config.max_slots, self.device)
         self._module_path = module_path
@@ -283,6 +301,8 @@ class LoRAManager:
             if layer is None:
                 continue
             served = cast(Tensor, layer.base.weight)
+            if self.tp is not None:
+                saved = shard_weight(self.targets[ref.target], saved, self.tp)
             coarse = [torch.finfo(d) for d in (saved.dtype, served.dtype)]
             rtol = 2 * max(f.eps for f in coarse)
             atol = max(f.tiny for f in coarse)  # below it half precision rounds to subnormals
@@ -330,7 +350,7 @@ class LoRAManager:
         that hold it. It keeps its slot and a host image (copied back from the slot if it
         had left the host tier: its file may be rewritten)."""
         image = self.host.pop(name)
-        if image is None:
+        if image is None and self.tp is None:  # (a tensor-parallel slot holds only a share)
             slot = self.slots.read(name)
             if slot is not None:
                 image = self.layout.read(slot, self.registry.get(name).rank)
@@ -408,6 +428,18 @@ class LoRAManager:
         return cast(AdapterImage, self.host.put(entry.name, image))
 
     # ---- slots ----------------------------------------------------------------------
+    def _write_shares(self, slot: int, image: AdapterImage) -> None:
+        """Tensor parallel: each rank's share of ``image`` into ``slot``."""
+        assert self.tp is not None
+        shares = [
+            shard_image(image, self.slot_layout, TPRank(r, self.tp.size))
+            for r in range(self.tp.size)
+        ]
+        if self.slot_writer is not None:
+            self.slot_writer(slot, shares)
+        else:
+            shares[self.tp.rank].write(self.slots.pool[slot])
+
     def activate_adapter(self, name: str) -> int:
         """Give ``name`` a device slot (LRU) and return it; copies its weights in only if
         the slot does not already hold them. Never evicts a pinned adapter or one of the
@@ -517,10 +549,10 @@ class LoRAManager:
         and hands it to each LoRA layer; there is no wrapper module."""
         self.layers = wrap_model(
             model,
-            self.targets,
+            self.slot_layout.targets,
             num_layers=self.num_layers,
             module_path=self._module_path,
-            layout=self.layout,
+            layout=self.slot_layout,
             pool=self.slots.pool,
             kernels=self.kernels,
             ranks=self.slots.ranks,

@@ -30,12 +30,16 @@ embedding's ``[vocab, dim]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lora_graph.targets import LoraTarget
+
+if TYPE_CHECKING:
+    from lora_graph.layout import AdapterImage, SlotLayout
 
 
 @dataclass(frozen=True)
@@ -154,4 +158,96 @@ def shard_lora(
     return list(a), list(b)
 
 
-__all__ = ["TPRank", "column_rows", "input_columns", "shard_lora", "shard_weight", "unit_rows"]
+def local_target(target: LoraTarget, tp: TPRank) -> LoraTarget:
+    """The target as rank ``tp`` holds it: a column target's slices at the rows it holds
+    (a replicated slice's units: 1), a row target's (or an embedding's) input at its
+    columns; a ``none`` target whole.
+
+    Raises:
+        ValueError: for units that do not split (:func:`unit_rows`).
+    """
+    if tp.size == 1:
+        return target
+    if target.kind == "embedding" or target.parallel == "row":
+        start, stop = input_columns(target, tp)
+        return replace(target, in_features=stop - start)
+    if target.parallel == "column":
+        rows = column_rows(target, tp)
+        units = target.slice_units
+        if units is not None:
+            units = tuple(max(1, u // tp.size) for u in units)
+        return replace(target, out_slices=tuple(b - a for a, b in rows), slice_units=units)
+    return target
+
+
+def shard_image(image: AdapterImage, layout: SlotLayout, tp: TPRank) -> AdapterImage:
+    """Rank ``tp``'s share of an adapter image (:class:`~lora_graph.layout.AdapterImage`,
+    made for the whole targets) as an image of ``layout``, the slot layout of the targets
+    as that rank holds them (:func:`local_target`): every block through :func:`shard_lora`.
+    The result is a new CPU image (same blocks, rank and dtype)."""
+    from lora_graph.layout import AdapterImage
+
+    out = AdapterImage(layout, list(image.offsets), image.rank, image.data.dtype)
+    for name, layer in image.offsets:
+        t = image.targets[name]
+        a, b = image.a(name, layer), image.b(name, layer)
+        if t.kind == "embedding":  # (stored transposed: [vocab, rank])
+            a_parts, b_parts = shard_lora(t, [a.T], [b], tp)
+            out.a(name, layer).copy_(a_parts[0].T)
+        else:
+            rows = [t.slice_rows(s) for s in range(t.num_slices)]
+            a_parts, b_parts = shard_lora(t, list(a), [b[o : o + w] for o, w in rows], tp)
+            out.a(name, layer).copy_(torch.stack(a_parts))
+        out.b(name, layer).copy_(torch.cat(b_parts))
+    return out
+
+
+def checkpoint_share(
+    target: LoraTarget, slices: tuple[int, ...], param: str, shape: tuple[int, ...], tp: TPRank
+) -> list[tuple[slice, ...]] | None:
+    """Which part of a checkpoint tensor of a base module rank ``tp`` reads: the index of
+    each piece it holds (concatenated along dim 0), or None for a row-parallel bias on a
+    rank other than 0 (zeros: the bias is added once, before the all-reduce sums the
+    partial outputs).
+
+    Args:
+        target: the module's target (its whole shapes).
+        slices: the target's slices the module holds, in its rows' order (one, or a
+            packed module's several: :meth:`LoraTarget.module_slices`).
+        param: ``"weight"`` or ``"bias"``.
+        shape: the tensor's shape.
+
+    Raises:
+        ValueError: for units that do not split.
+    """
+    everything = tuple(slice(None) for _ in shape)
+    if target.kind == "embedding":
+        start, stop = input_columns(target, tp)
+        return [(slice(start, stop), *everything[1:])]
+    if target.parallel == "row":
+        if param != "weight":
+            return [everything] if tp.rank == 0 else None
+        start, stop = input_columns(target, tp)
+        return [(slice(None), slice(start, stop))]
+    if target.parallel == "column":
+        rows = column_rows(target, tp)
+        pieces, offset = [], 0
+        for s in slices:
+            start, stop = rows[s]
+            pieces.append((slice(offset + start, offset + stop), *everything[1:]))
+            offset += target.out_slices[s]
+        return pieces
+    return [everything]
+
+
+__all__ = [
+    "TPRank",
+    "checkpoint_share",
+    "column_rows",
+    "input_columns",
+    "local_target",
+    "shard_image",
+    "shard_lora",
+    "shard_weight",
+    "unit_rows",
+]

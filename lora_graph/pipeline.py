@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -22,9 +23,16 @@ from torch import Tensor, nn
 
 from lora_graph import memory
 from lora_graph.config import LoRAConfig
-from lora_graph.loading.model_files import parse_dtype, read_checkpoint, resolve_model_path
+from lora_graph.loading.model_files import (
+    Select,
+    parse_dtype,
+    read_checkpoint,
+    resolve_model_path,
+    select_state,
+)
 from lora_graph.manager import LoRAManager
 from lora_graph.paging import PagePool
+from lora_graph.parallel import TPRank, checkpoint_share
 from lora_graph.routing import Routing
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
@@ -61,6 +69,13 @@ class PipelineModel(abc.ABC):
         lora: the adapter pool's config, or None to serve the base model only.
         weights: a checkpoint state dict (Hugging Face names) to load instead of reading
             the directory's safetensors (benchmarks build models in memory).
+        tensor_parallel_size: serve the model sharded over this many ranks (tensor
+            parallelism, Megatron-LM's split: :mod:`lora_graph.parallel`), one process and
+            one device each (``cuda:0..N-1``; on the CPU, gloo): this object is rank 0 and
+            starts the others itself (:mod:`lora_graph.distributed`); each reads only its
+            share of the checkpoint and of every adapter. None: no process group (1 runs
+            the distributed path on one rank). Only architectures with
+            :attr:`supports_tensor_parallel`.
 
     Raises:
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported
@@ -71,6 +86,9 @@ class PipelineModel(abc.ABC):
     #: False for an architecture whose CUDA parity test (against ``transformers`` + ``peft``)
     #: has not passed on a GPU yet: a CUDA device is then refused at start-up.
     verified_on_cuda: bool = True
+
+    #: whether the architecture shards over tensor-parallel ranks (``tensor_parallel_size``)
+    supports_tensor_parallel: bool = False
 
     def __init__(
         self,
@@ -84,8 +102,11 @@ class PipelineModel(abc.ABC):
         gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
         weights: dict[str, Tensor] | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> None:
         from transformers import AutoConfig
+
+        from lora_graph import distributed
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -113,6 +134,39 @@ class PipelineModel(abc.ABC):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
+        # tensor parallelism: this process's rank (None: no group) and, on rank 0, the
+        # workers and the wire to them
+        self.tp: TPRank | None = None
+        self.workers: distributed.Workers | None = None
+        self._wire: distributed.Wire | None = None
+        assigned = distributed.worker_assignment()
+        if assigned is not None or tensor_parallel_size is not None:
+            size = tensor_parallel_size or 1
+            self._check_tensor_parallel(size)
+            if assigned is None:
+                init_method = distributed.free_init_method()
+                kwargs = dict(
+                    dtype=self.dtype, device=device, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, max_num_batched_tokens=max_num_batched_tokens,
+                    gpu_memory_utilization=gpu_memory_utilization, lora=lora, weights=weights,
+                    tensor_parallel_size=size, **getattr(self, "_init_kwargs", {}),
+                )  # fmt: skip
+                if size > 1:
+                    self.workers = distributed.start_workers(
+                        size, init_method, (type(self), (model_path,), kwargs)
+                    )
+                rank = 0
+            else:
+                rank, init_method = assigned
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", (self.device.index or 0) + rank)
+                torch.cuda.set_device(self.device)
+            self.tp = distributed.init_tensor_parallel(
+                rank,
+                size,
+                init_method=init_method,
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+            )
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         self.max_seq_len_from_model = max_seq_len is None
         if max_seq_len is None:
@@ -137,7 +191,7 @@ class PipelineModel(abc.ABC):
         if lora is not None:
             self.manager = LoRAManager(
                 lora,
-                targets=self.lora_targets(),
+                targets=self._served_targets(),
                 module_map=self.lora_module_map,
                 module_path=self.lora_module_path,
                 num_layers=self.num_layers,
@@ -145,6 +199,7 @@ class PipelineModel(abc.ABC):
                 device=self.device,
                 ignored_modules=self.lora_ignored_modules(),
                 tied_modules=self.lora_tied_modules(),
+                tp=self.tp,
             )
         self._weights = weights
         self.model = self.load_model()
@@ -158,8 +213,132 @@ class PipelineModel(abc.ABC):
             device=self.device,
         )
         self.graphs: GraphCache | None = None
-        if self.manager is not None:
+        if self.tp is not None and self.tp.size > 1:
+            parts = [self.step_buffer.buffer]
+            if self.manager is not None:
+                parts.append(self.manager.routing.buffer)
+                if self.tp.rank == 0:
+                    self.manager.slot_writer = self._send_slot
+            self._wire = distributed.Wire(parts, self.device)
+        if self.manager is not None and (self.tp is None or self.tp.rank == 0):
             self.manager.load_configured()
+
+    # ---- tensor parallelism -------------------------------------------------------------
+    def _check_tensor_parallel(self, size: int) -> None:
+        """Refuse a tensor-parallel size this architecture, its sizes or the devices do not
+        allow, before any process is started.
+
+        Raises:
+            ValueError: naming the cause.
+        """
+        if not self.supports_tensor_parallel:
+            raise ValueError(f"{type(self).__name__} does not support tensor parallelism yet")
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+        if self.device.type == "cuda" and (self.device.index or 0) + size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs from {self.device}; "
+                f"{torch.cuda.device_count()} are visible"
+            )
+        self._check_shards(TPRank(0, size))
+
+    def _check_shards(self, tp: TPRank) -> None:
+        """Raise ValueError if the model's sizes do not split over ``tp.size`` ranks."""
+
+    def _served_targets(self) -> dict[str, LoraTarget]:
+        """The LoRA targets as served: the declared table; under tensor parallelism a
+        per-segment target (the LM head) is replicated (``parallel="none"``), as the model
+        keeps its LM head whole on every rank."""
+        targets = self.lora_targets()
+        if self.tp is None:
+            return targets
+        return {
+            name: replace(t, parallel="none") if t.per_segment else t
+            for name, t in targets.items()
+        }
+
+    def _checkpoint_select(self) -> Select | None:
+        """Which part of each checkpoint tensor this rank reads (None: all): a target's
+        module by its parallel mode (:func:`lora_graph.parallel.checkpoint_share`), every
+        other tensor (norms, a replicated LM head) whole."""
+        if self.tp is None or self.tp.size == 1:
+            return None
+        tp, targets = self.tp, self._served_targets()
+        lookup = module_map(targets, self.num_layers)
+
+        def select(name: str, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
+            module, _, param = name.rpartition(".")
+            ref = lookup(module)
+            if ref is None:
+                return [tuple(slice(None) for _ in shape)]
+            t = targets[ref.target]
+            return checkpoint_share(t, t.module_slices(ref.shard_id), param, shape, tp)
+
+        return select
+
+    def _send_slot(self, slot: int, shares: list[Any]) -> None:
+        """Rank 0's slot writer: every rank gets its share of an adapter image
+        (:meth:`LoRAManager._write_shares`) in ``slot``, by one scatter."""
+        import torch.distributed as dist
+
+        from lora_graph import distributed
+
+        assert self._wire is not None and self.manager is not None
+        self._wire.send(distributed.SLOT, slot, shares[0].rank)
+        target = self.manager.slots.pool[slot]
+        parts = []
+        for share in shares:
+            part = torch.zeros_like(target)
+            share.write(part)
+            parts.append(part)
+        dist.scatter(target, parts, src=0)
+
+    def serve_worker(self) -> None:
+        """A worker rank's loop: run each command rank 0 sends (a step, a slot write, a
+        capture) until it says stop."""
+        import torch.distributed as dist
+
+        from lora_graph import distributed
+
+        wire = self._wire
+        assert wire is not None
+        while True:
+            command, *args = wire.receive()
+            if command == distributed.STEP:
+                tokens, seqs, lora, all_logits = args[:4]
+                wire.unpack((0, 1) if lora else (0,))
+                width = (tokens, seqs)
+                routing = self.routing_buffer if lora else None
+                self.execute(
+                    ModelInputs(self.step_buffer.views(width), routing, [], width, bool(all_logits))
+                )
+            elif command == distributed.SLOT:
+                assert self.manager is not None
+                slot, rank = args[:2]
+                dist.scatter(self.manager.slots.pool[slot], None, src=0)
+                self.manager.slots.ranks[slot] = rank
+            elif command == distributed.CAPTURE:
+                spec: list[Any] = [None]
+                dist.broadcast_object_list(spec, src=0)
+                mode, buckets = spec[0]
+                self.enable_compile(mode, token_buckets=buckets, progress=False)
+            elif command == distributed.STOP:
+                return
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (nothing without one).
+        Also done at exit."""
+        from lora_graph import distributed
+
+        if self.workers is not None:
+            wire = self._wire
+            self.workers.close(stop=lambda: wire.send(distributed.STOP) if wire else None)
+            self.workers = None
+        if self.tp is not None:
+            distributed.close_tensor_parallel()
+            self.tp = None
 
     # ---- memory -------------------------------------------------------------------------
     def _slot_bytes(self, lora: LoRAConfig | None) -> int:
@@ -258,7 +437,18 @@ class PipelineModel(abc.ABC):
         if self.manager is not None:
             root = self.manager.wrap(module)
             adapter = self.manager.lora_weight_adapter(self.weights_adapter)
-        checkpoint = self._weights if self._weights is not None else read_checkpoint(self.model_dir)
+        select = self._checkpoint_select()
+        if self._weights is not None:
+            checkpoint = self._weights if select is None else select_state(self._weights, select)
+        else:
+            checkpoint = read_checkpoint(self.model_dir, select)
+        tied = self.lora_tied_modules() if self.tp is not None else {}
+        if tied:
+            # the LM head stays whole and untied on every rank: it reads the whole table
+            whole = checkpoint if select is None else self._weights or read_checkpoint(self.model_dir)
+            for head, embedding in tied.items():
+                if f"{head}.weight" not in checkpoint:
+                    checkpoint[f"{head}.weight"] = whole[f"{embedding}.weight"]
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         try:
             missing, unexpected = root.load_state_dict(state, strict=False)
@@ -310,6 +500,14 @@ class PipelineModel(abc.ABC):
         if token_buckets is None:
             top = self.max_num_batched_tokens
             token_buckets = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
+        if self._wire is not None and self.tp is not None and self.tp.rank == 0:
+            import torch.distributed as dist
+
+            from lora_graph import distributed
+
+            # every rank captures the same graphs in the same order (their collectives meet)
+            self._wire.send(distributed.CAPTURE)
+            dist.broadcast_object_list([(mode, list(token_buckets))], src=0)
         self.graphs = GraphCache(
             self,
             mode=mode,  # type: ignore[arg-type]
@@ -387,6 +585,17 @@ class PipelineModel(abc.ABC):
         (rows past the chunks are padding), or ``[T, vocab]`` with ``all_logits``. A step
         whose width was captured replays its graph (the logits are then valid until the
         next replay); others run eagerly."""
+        if self._wire is not None and self.tp is not None and self.tp.rank == 0:
+            from lora_graph import distributed
+
+            lora = inputs.routing is not None
+            self._wire.send(
+                distributed.STEP,
+                *inputs.width,
+                int(lora),
+                int(inputs.all_logits),
+                carry=(0, 1) if lora else (0,),
+            )
         if self.graphs is not None and not inputs.all_logits:
             graph = self.graphs.lookup(inputs)
             if graph is not None:
@@ -467,6 +676,7 @@ class PipelineModelWithKVCache(PipelineModel):
             raise ValueError(f"kv_cache_tokens must be at least 1, got {kv_cache_tokens}")
         self.page_size = page_size
         self.kv_cache_tokens = kv_cache_tokens
+        self._init_kwargs = {"page_size": page_size, "kv_cache_tokens": kv_cache_tokens}
         self.num_kv_pages = 2  # what the module is built with while it is only measured
         super().__init__(model_path, **kwargs)
 
@@ -511,7 +721,7 @@ class PipelineModelWithKVCache(PipelineModel):
                     "the memory left for the KV cache; give --max-seq-len or "
                     "--kv-cache-tokens to choose)"
                 )
-        self.num_kv_pages = memory.kv_cache_pages(
+        num_kv_pages = memory.kv_cache_pages(
             device=self.device,
             page_bytes=self.kv_bytes_per_token() * self.page_size,
             page_size=self.page_size,
@@ -521,6 +731,12 @@ class PipelineModelWithKVCache(PipelineModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             slots=self._slot_bytes(lora),
             fixed_bytes=fixed_bytes,
+        )
+        # tensor parallel: rank 0 hands out the pages of every rank's cache
+        from lora_graph.distributed import agree_min
+
+        self.max_seq_len, self.num_kv_pages = agree_min(
+            [self.max_seq_len, num_kv_pages], self.device
         )
         self.pages = PagePool(self.num_kv_pages, self.page_size)
 

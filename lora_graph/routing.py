@@ -152,6 +152,11 @@ class RoutingBuffer:
         self._staged = torch.cuda.Event() if pin else None  # the last copy out of staging
         self.routing = Routing(*(self._device[sl] for sl in self._slices))
 
+    @property
+    def buffer(self) -> Tensor:
+        """The flat int32 device buffer the five tensors are views of."""
+        return self._device
+
     def route(self, batch: Sequence[HasAdapter], row_offsets: Sequence[int],
               slot_of: Callable[[str], int | None]) -> Routing:  # fmt: skip
         """The one way a step's routing is built: the groups of a sorted batch

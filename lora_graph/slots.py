@@ -86,11 +86,20 @@ class SlotPool:
         num_slots: slots including slot 0.
         numel: elements of one slot (:class:`~lora_graph.layout.SlotLayout`).
         dtype, device: of the pool.
+        writer: writes an image into a slot by index (tensor parallelism's shares); None:
+            the image writes itself into the slot.
     """
 
     def __init__(
-        self, num_slots: int, numel: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        num_slots: int,
+        numel: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        writer: Callable[[int, SlotImage], None] | None = None,
     ) -> None:
+        self._writer = writer
         self.pool = torch.zeros(num_slots, numel, dtype=dtype, device=device)
         # each slot's rank (0: slot 0, and slots never written): the kernels skip a slot's
         # A rows and B columns from it on, zeros in every image (the ops' ``ranks``)
@@ -138,7 +147,10 @@ class SlotPool:
             self.hits += 1
             return slot
         slot = self._free_slot(protected, prefer)
-        image().write(self.pool[slot])
+        if self._writer is None:
+            image().write(self.pool[slot])
+        else:
+            self._writer(slot, image())
         self.ranks[slot] = torch.iinfo(torch.int32).max if rank is None else rank
         self.loads += 1
         self._owner[key] = slot

@@ -140,6 +140,12 @@ class StepBuffer:
         self._host = self._staging.numpy()
         self._staged = torch.cuda.Event() if pin else None
 
+    @property
+    def buffer(self) -> Tensor:
+        """The flat int32 device buffer every input is a view of (tensor parallelism sends
+        it to the other ranks whole)."""
+        return self._device
+
     def views(self, width: tuple[int, int]) -> dict[str, Tensor]:
         """The device views of every step input at width ``(T, S)``: always the same
         addresses for one width, so a graph captured on them reads later steps in place."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -54,23 +55,46 @@ def resolve_model_path(path: str) -> str:
         ) from e
 
 
-def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
+#: which part of a checkpoint tensor to read, from its name and shape: the index of each
+#: piece (concatenated along dim 0), or None for zeros of its shape (tensor parallelism's
+#: shares: :func:`lora_graph.parallel.checkpoint_share`)
+Select = Callable[[str, tuple[int, ...]], "list[tuple[slice, ...]] | None"]
+
+
+def read_checkpoint(model_dir: str, select: Select | None = None) -> dict[str, Tensor]:
     """All tensors of the model's checkpoint: ``model.safetensors``, the shards a
     ``model.safetensors.index.json`` names, or, where there is no safetensors checkpoint,
     ``pytorch_model.bin`` or the shards of ``pytorch_model.bin.index.json`` (read with
     ``torch.load(weights_only=True)``, which unpickles tensors and plain containers only).
 
+    With ``select``, each tensor is only the part it names: a safetensors file is then
+    read piece by piece (``safe_open(...).get_slice``), so a tensor-parallel rank reads
+    only its share; a ``.bin`` file is read whole and cut.
+
     Raises:
         FileNotFoundError: if the directory has none of them.
         ValueError: if a file cannot be read as its format (the message names it).
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     def read(path: str) -> dict[str, Tensor]:
         try:
             if path.endswith(".bin"):
-                return torch.load(path, map_location="cpu", weights_only=True)
-            return load_file(path)
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                return state if select is None else select_state(state, select)
+            if select is None:
+                return load_file(path)
+            out = {}
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    part = f.get_slice(name)
+                    pieces = select(name, tuple(part.get_shape()))
+                    if pieces is None:
+                        out[name] = torch.zeros_like(part[:])
+                    else:
+                        out[name] = torch.cat([part[index] for index in pieces])
+            return out
         except (
             Exception
         ) as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
@@ -100,3 +124,16 @@ def read_checkpoint(model_dir: str) -> dict[str, Tensor]:
     raise FileNotFoundError(
         f"{model_dir}: no model.safetensors, pytorch_model.bin or their sharded index"
     )
+
+
+def select_state(state: dict[str, Tensor], select: Select) -> dict[str, Tensor]:
+    """The parts of an in-memory state dict ``select`` names (as :func:`read_checkpoint`)."""
+    out = {}
+    for name, tensor in state.items():
+        pieces = select(name, tuple(tensor.shape))
+        out[name] = (
+            torch.zeros_like(tensor)
+            if pieces is None
+            else torch.cat([tensor[index] for index in pieces])
+        )
+    return out

@@ -19,6 +19,7 @@ from lora_graph.attention import (
     paged_attention,
     rope_kv_write,
 )
+from lora_graph.distributed import tp_all_reduce
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
 
@@ -141,13 +142,18 @@ class PagedAttention(nn.Module):
         window: this layer's sliding window (None: full attention).
         scale: the softmax scale (None: ``head_dim ** -0.5``).
         softcap: the attention logits' soft cap (0: none; Gemma 2's).
+        reduce: tensor parallel: ``config`` holds this rank's heads, and ``o_proj``'s
+            partial output (row-parallel) is summed over the ranks
+            (:func:`lora_graph.distributed.tp_all_reduce`).
     """
 
     def __init__(self, config: Any, kv_cache: PagedKVCache, window: int | None, *,
-                 scale: float | None = None, softcap: float = 0.0) -> None:  # fmt: skip
+                 scale: float | None = None, softcap: float = 0.0,
+                 reduce: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.window = window
+        self.reduce = reduce
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
         )
@@ -196,7 +202,8 @@ class PagedAttention(nn.Module):
             self.window or 0,
             *cap,
         )
-        return self.o_proj(out.view(n, c.q_size), routing)
+        out = self.o_proj(out.view(n, c.q_size), routing)
+        return tp_all_reduce(out) if self.reduce else out
 
 
 def _gelu_tanh_and_mul(x: Tensor) -> Tensor:
@@ -208,14 +215,18 @@ class GatedMLP(nn.Module):
     """``down_proj(act(gate) * up)`` with gate and up fused in ``gate_up_proj``: SwiGLU
     (``act="silu"``, Llama's; the LoRA expand and the activation fused on the GPU) or
     GeGLU with the tanh approximation (``act="gelu_tanh"``, Gemma's
-    ``gelu_pytorch_tanh``) (Shazeer 2020, "GLU Variants Improve Transformer")."""
+    ``gelu_pytorch_tanh``) (Shazeer 2020, "GLU Variants Improve Transformer").
+
+    With ``reduce`` (tensor parallel) ``intermediate_size`` is this rank's share and
+    ``down_proj``'s partial output is summed over the ranks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
-                 act: str = "silu") -> None:  # fmt: skip
+                 act: str = "silu", reduce: bool = False) -> None:  # fmt: skip
         super().__init__()
         if act not in ("silu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {act!r}")
         self.act = act
+        self.reduce = reduce
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
@@ -224,7 +235,8 @@ class GatedMLP(nn.Module):
             h = self.gate_up_proj.silu_and_mul(x, routing)
         else:
             h = _gelu_tanh_and_mul(self.gate_up_proj(x, routing))
-        return self.down_proj(h, routing)
+        out = self.down_proj(h, routing)
+        return tp_all_reduce(out) if self.reduce else out
 
 
 def fuse_checkpoint(

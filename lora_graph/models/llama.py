@@ -17,12 +17,13 @@ and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from lora_graph.distributed import tp_all_reduce
 from lora_graph.layers import Embedding, Linear
 from lora_graph.models.blocks import (
     AttentionMetadata,
@@ -34,6 +35,7 @@ from lora_graph.models.blocks import (
     residual_add,
     rope_tables,
 )
+from lora_graph.parallel import TPRank
 from lora_graph.routing import Routing
 from lora_graph.targets import LoraTarget
 
@@ -182,12 +184,15 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None) -> None:
+    def __init__(self, config: LlamaConfig, kv_cache: PagedKVCache, window: int | None, *,
+                 reduce: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = PagedAttention(config, kv_cache, window)
+        self.self_attn = PagedAttention(config, kv_cache, window, reduce=reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, bias=config.mlp_bias, reduce=reduce
+        )
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionMetadata,
@@ -210,26 +215,42 @@ class LlamaModel(nn.Module):
         page_size: token positions per page.
         max_seq_len: positions of the RoPE tables (the longest request).
         dtype: parameter, activation and KV cache dtype.
+        tp: this rank of a tensor-parallel group (None: the whole model): the layers hold
+            its heads (K/V heads replicated when fewer than the ranks) and its part of the
+            MLP (:func:`shard_config`), each attention and MLP output summed over the ranks;
+            the embedding holds its vocabulary range (vocabulary-parallel: a token outside
+            it embeds as zeros, then summed); the LM head is whole on every rank
+            (replicated, untied).
+
+    Raises:
+        ValueError: if the heads, the MLP or the vocabulary do not split over ``tp``.
     """
 
     def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int,
-                 max_seq_len: int, dtype: torch.dtype) -> None:  # fmt: skip
+                 max_seq_len: int, dtype: torch.dtype,
+                 tp: TPRank | None = None) -> None:  # fmt: skip
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        local = config if tp is None else shard_config(config, tp)
+        vocab = config.vocab_size if tp is None else config.vocab_size // tp.size
+        self.vocab_start, self.vocab_local = (0 if tp is None else tp.rank * vocab), vocab
+        self.embed_tokens = Embedding(vocab, config.hidden_size)
+        reduce = {} if tp is None else {"reduce": True}  # (a variant's layer may lack it)
         self.layers = nn.ModuleList(
             self.layer_class(
-                config,
+                local,
                 PagedKVCache(
-                    num_pages, page_size, config.num_key_value_heads, config.head_dim, dtype
+                    num_pages, page_size, local.num_key_value_heads, local.head_dim, dtype
                 ),
-                config.window(i),
+                local.window(i),
+                **reduce,
             )
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.make_norm(config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and tp is None:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(config, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -242,8 +263,14 @@ class LlamaModel(nn.Module):
         return RMSNorm(dim, self.config.rms_norm_eps)
 
     def embed(self, tokens: Tensor, routing: Routing | None) -> Tensor:
-        """``[T]`` int64 tokens to ``[T, hidden]`` (the embedding, with its LoRA delta)."""
-        return self.embed_tokens(tokens, routing)
+        """``[T]`` int64 tokens to ``[T, hidden]`` (the embedding, with its LoRA delta;
+        under tensor parallelism each rank's vocabulary range, summed)."""
+        if self.tp is None:
+            return self.embed_tokens(tokens, routing)
+        local = tokens - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_local)
+        x = self.embed_tokens(torch.where(inside, local, 0), routing)
+        return tp_all_reduce(torch.where(inside[:, None], x, 0))
 
     def final_logits(self, logits: Tensor) -> Tensor:
         """The LM head's output to the returned float32 logits."""
@@ -292,6 +319,36 @@ class LlamaModel(nn.Module):
             # [1, T, hidden]: a per-segment LM head routes a 3-D input by token
             return self.final_logits(self.lm_head(self.norm(x)[None], routing)[0])
         return self.final_logits(self.lm_head(self.norm(x[logits_index.long()]), routing))
+
+
+def shard_config(config: LlamaConfig, tp: TPRank) -> LlamaConfig:
+    """The sizes one rank of ``tp`` holds: ``heads / size`` query heads, ``max(1, kv_heads /
+    size)`` K/V heads (a K/V head shared by ``size / kv_heads`` ranks when fewer), and
+    ``intermediate / size`` of the MLP (Megatron-LM's split).
+
+    Raises:
+        ValueError: naming the size that does not split over ``tp.size`` ranks (the
+            vocabulary too: the embedding is vocabulary-parallel).
+    """
+    n, kv = tp.size, config.num_key_value_heads
+    for what, value in (
+        ("attention heads", config.num_attention_heads),
+        ("intermediate_size", config.intermediate_size),
+        ("vocab_size", config.vocab_size),
+    ):
+        if value % n:
+            raise ValueError(f"tensor parallel size {n} does not divide the {value} {what}")
+    if kv % n and n % kv:
+        raise ValueError(
+            f"tensor parallel size {n} neither divides nor is a multiple of the {kv} "
+            "key/value heads"
+        )
+    return replace(
+        config,
+        num_attention_heads=config.num_attention_heads // n,
+        num_key_value_heads=max(1, kv // n),
+        intermediate_size=config.intermediate_size // n,
+    )
 
 
 def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
