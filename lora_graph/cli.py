@@ -438,6 +438,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-enable-prefix-caching turns it off)",
     )
     engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="shard the model over this many GPUs of the host (cuda:0..N-1; on the CPU, N "
+        "processes over gloo): tensor parallelism, as vLLM's flag; the worker processes are "
+        "started here, adapters are sharded with their layers (default: one device, no "
+        "process group; Llama-family models)",
+    )
+    engine.add_argument(
         "--max-seq-len",
         type=int,
         default=None,
@@ -632,6 +642,10 @@ def main(argv: list[str] | None = None, stdout: TextIO | None = None) -> int:
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        from lora_graph.distributed import shutdown
+
+        shutdown()  # (a tensor-parallel run's workers)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,17 @@ def tensor_parallel() -> TPRank | None:
     return _RANK
 
 
+_CLOSE: list[Any] = []  # rank 0: the running pipeline's close (one group a process)
+
+
+def shutdown() -> None:
+    """Stop this process's tensor-parallel pipeline, its workers and its group, if any
+    (the command line does at the end of every command; also done at exit)."""
+    while _CLOSE:
+        _CLOSE.pop()()
+    close_tensor_parallel()
+
+
 def close_tensor_parallel() -> None:
     """Leave the group (destroys the default process group)."""
     global _RANK
@@ -251,6 +262,7 @@ __all__ = [
     "agree_min",
     "close_tensor_parallel",
     "free_init_method",
+    "shutdown",
     "init_tensor_parallel",
     "start_workers",
     "tensor_parallel",

@@ -40,6 +40,7 @@ def build_engine(
     encoder: bool | None = False,
     async_scheduling: bool | None = None,
     enable_prefix_caching: bool = True,
+    tensor_parallel_size: int | None = None,
 ) -> tuple[LLMEngine, Any]:
     """Load the model, tokenizer and adapters; return the engine and the tokenizer.
     ``enable_lora`` sizes adapter slots even when no ``loras`` are given (a server that
@@ -68,6 +69,7 @@ def build_engine(
         gpu_memory_utilization=gpu_memory_utilization,
         compile_mode=compile_mode,
         device=device,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
     try:
@@ -103,6 +105,7 @@ def build_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
             **kv,
+            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size else {}),
         )
     except MemoryBudgetError as e:
         raise CliError(_flag_names(str(e))) from e
@@ -148,6 +151,7 @@ def check_engine_flags(
     gpu_memory_utilization: float,
     compile_mode: str,
     device: str,
+    tensor_parallel_size: int | None = None,
 ) -> None:
     """Check the engine's flags from their values alone (nothing read, nothing bound).
 
@@ -164,6 +168,7 @@ def check_engine_flags(
         ("--max-seq-len", max_seq_len, 2),
         ("--max-num-batched-tokens", max_num_batched_tokens, max_batch_size),
         ("--kv-cache-tokens", kv_cache_tokens, 1),
+        ("--tensor-parallel-size", tensor_parallel_size, 1),
     ):
         if value is not None and value < least:
             raise CliError(f"{flag} must be at least {least}, got {value}")
@@ -207,6 +212,7 @@ def engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine,
         progress=args.progress,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
         **extra,
     )
 

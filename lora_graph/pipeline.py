@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -161,12 +162,16 @@ class PipelineModel(abc.ABC):
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", (self.device.index or 0) + rank)
                 torch.cuda.set_device(self.device)
+            else:  # the CPU's cores shared among the ranks (more threads than cores spin)
+                torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
             self.tp = distributed.init_tensor_parallel(
                 rank,
                 size,
                 init_method=init_method,
                 backend="nccl" if self.device.type == "cuda" else "gloo",
             )
+            if rank == 0:
+                distributed._CLOSE.append(self.close)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         self.max_seq_len_from_model = max_seq_len is None
         if max_seq_len is None:
@@ -231,8 +236,15 @@ class PipelineModel(abc.ABC):
         Raises:
             ValueError: naming the cause.
         """
+        from lora_graph.distributed import tensor_parallel, worker_assignment
+
         if not self.supports_tensor_parallel:
             raise ValueError(f"{type(self).__name__} does not support tensor parallelism yet")
+        if tensor_parallel() is not None and worker_assignment() is None:
+            raise ValueError(
+                "this process already runs a tensor-parallel pipeline (one process group a "
+                "process): close() it first"
+            )
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
         if self.device.type == "cuda" and (self.device.index or 0) + size > torch.cuda.device_count():
@@ -339,6 +351,8 @@ class PipelineModel(abc.ABC):
         if self.tp is not None:
             distributed.close_tensor_parallel()
             self.tp = None
+            if self.close in distributed._CLOSE:
+                distributed._CLOSE.remove(self.close)
 
     # ---- memory -------------------------------------------------------------------------
     def _slot_bytes(self, lora: LoRAConfig | None) -> int:
