@@ -332,6 +332,13 @@ def main() -> None:
         help="variants of the decode LoRA path to time (module docstring; default: the code's "
         "defaults)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="serve every pipeline over this many ranks (tensor parallelism; 1: the "
+        "distributed path on one GPU, an NCCL group of one rank; default: no group)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -386,6 +393,7 @@ def main() -> None:
         max_seq_len=args.max_seq_len or (3 * args.context // 2 + 64),
         max_num_batched_tokens=max(max_batch, 16),
         weights=weights,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     results: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -399,6 +407,7 @@ def main() -> None:
         "targets": args.targets,
         "side_stream": not args.no_side_stream,
         "variants": args.variants,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "rows": [],
     }
 
@@ -410,6 +419,7 @@ def main() -> None:
         b: time_engine_step(plain, b, [None] * b, context=args.context, reps=args.reps)
         for b in args.batch_sizes
     }
+    plain.close()  # (a tensor-parallel group: one a process)
     del plain
     release_memory(device)
     a_long_ms = {}
@@ -432,6 +442,7 @@ def main() -> None:
             "max_seq_len": [common["max_seq_len"], args.compare_max_seq_len],
             "a_ms": {b: [a_ms[b], a_long_ms[b]] for b in args.batch_sizes},
         }
+        long_pipe.close()
         del long_pipe
         release_memory(device)
 
@@ -442,7 +453,6 @@ def main() -> None:
     for variant, switches in variants:
         # free the previous variant's graphs now: a CUDA graph destroyed by the garbage
         # collector while the next one is being captured invalidates that capture
-        lora = None
         gc.collect()
         torch._dynamo.reset()  # each pipeline compiles the same layer code afresh
         ranks = [int(r) for r in switches.get("ranks", "16").split("/")]
@@ -485,7 +495,8 @@ def main() -> None:
             }
             print(variant, b, {k: round(v, 3) for k, v in rows[(variant, b)].items()}, flush=True)
         assert lora.graphs is None or lora.graphs.recompiles == 0
-        del lora
+        lora.close()  # (a tensor-parallel group: one a process)
+        lora = None
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
     if not args.skip_peft:

@@ -1,11 +1,11 @@
 """Tensor parallelism's process group and the collective a sharded step calls, on
 ``torch.distributed`` (NCCL on GPUs, gloo on the CPU).
 
-:func:`tp_all_reduce` is the custom op ``lora_graph::tp_all_reduce``: the sum of a tensor
-over the ranks of the tensor-parallel group (a row-parallel layer's partial outputs, their
-LoRA deltas already added: :mod:`lora_graph.parallel`), the input itself when no group is
-set or it has one rank. As a custom op it is one opaque node to ``torch.compile``; on CUDA
-an NCCL all-reduce inside it is captured by CUDA graphs.
+:func:`tp_all_reduce` is the custom op ``lora_graph::tp_all_reduce_``: the sum of a
+tensor over the ranks of the tensor-parallel group, in place (a row-parallel layer's partial
+outputs, their LoRA deltas already added: :mod:`lora_graph.parallel`); nothing when no
+group is set. As a custom op it is one opaque node to ``torch.compile``; on CUDA an NCCL
+all-reduce inside it is captured by CUDA graphs.
 
 The runner's side lives here too: :func:`start_workers` starts ranks ``1..size-1`` as
 processes of their own (``multiprocessing``'s spawn), each building the same pipeline at its
@@ -87,20 +87,20 @@ def close_tensor_parallel() -> None:
         _RANK = None
 
 
-@torch.library.custom_op("lora_graph::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: Tensor) -> Tensor:
-    """The sum of ``x`` over the tensor-parallel ranks (a new tensor, ``x``'s shape and
-    dtype); ``x`` copied when there is no group. A group of one rank runs the collective
-    too (the distributed path at size 1, as measured against the plain one)."""
-    out = x.clone()
+@torch.library.custom_op("lora_graph::tp_all_reduce_", mutates_args=("x",))
+def _all_reduce_(x: Tensor) -> None:
     if _RANK is not None:
-        dist.all_reduce(out)
-    return out
+        dist.all_reduce(x)
 
 
-@tp_all_reduce.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
+def tp_all_reduce(x: Tensor) -> Tensor:
+    """The sum of ``x`` over the tensor-parallel ranks, in place (``x`` returned): the
+    custom op ``lora_graph::tp_all_reduce_``, which mutates its input (a row-parallel
+    layer's fresh output: inductor then reduces it where it lies, no copy); ``x`` itself
+    when there is no group. A group of one rank runs the collective too (the distributed
+    path at size 1, as measured against the plain one)."""
+    _all_reduce_(x)
+    return x
 
 
 def agree_min(values: Sequence[int], device: torch.device) -> list[int]:

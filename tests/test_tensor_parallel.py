@@ -195,3 +195,57 @@ def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "tensor-parallel worker rank 1" in done.stderr and "exited" in done.stderr
     assert "not stopped" not in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_size_1_nccl_under_cuda_graphs_equals_the_plain_step(models, dtype):
+    """The distributed path at size 1 (an NCCL group of one rank: every all-reduce and the
+    vocabulary-parallel embedding's mask in the captured graphs) gives the plain step's
+    tokens, and its log-probabilities within rounding (the collectives change inductor's
+    fusions around them), prefill and decode, base and mixed adapter batches."""
+    base, adapters = models("tied")
+    logits = {}
+    for size in (None, 1):
+        pipe = _pipeline(base, adapters, size, device="cuda", dtype=dtype,
+                         max_num_batched_tokens=128)  # fmt: skip
+        pipe.enable_compile("cudagraph", token_buckets=(8, 128), progress=False)
+        engine = LLMEngine(pipe, eos_token_ids=())
+        mixed = [*NAMES, *NAMES_B]
+        requests = [
+            Request(f"r{i}", ids, name, SamplingParams(max_new_tokens=8, logprobs=0))
+            for i, (ids, name) in enumerate(zip(prompts(len(mixed), seed=5), mixed, strict=True))
+        ]
+        outs = engine.generate(requests)
+        assert all(o.error is None for o in outs)
+        assert sum(g.replays for g in pipe.graphs.graphs.values()) > 0
+        logits[size] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+        pipe.close()
+    assert [t for t, _ in logits[1]] == [t for t, _ in logits[None]]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for (_, got), (_, want) in zip(logits[1], logits[None], strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=tol)
+    exact = logits[1] == logits[None]
+    print(f"size 1 NCCL vs plain, {dtype}: bit for bit {exact}")
+
+
+@pytest.mark.compile
+def test_size_2_captured_by_inductor_equals_size_1(models):
+    """Both ranks compile the same graphs in the same order (rank 0's capture command),
+    the all-reduces inside them: the tokens of a mixed batch equal the plain pipeline's."""
+    base, adapters = models("llama3")
+    tokens = {}
+    for size in (None, 2):
+        pipe = _pipeline(base, {"A": adapters["A"]}, size, max_num_batched_tokens=16)
+        pipe.enable_compile("inductor", token_buckets=(16,), progress=False)
+        engine = LLMEngine(pipe, eos_token_ids=())
+        outs = engine.generate([
+            Request(f"r{i}", ids, name, SamplingParams(max_new_tokens=6))
+            for i, (ids, name) in enumerate(zip(prompts(4), ["A", None, "A", None], strict=True))
+        ])  # fmt: skip
+        assert sum(g.replays for g in pipe.graphs.graphs.values()) > 0
+        assert pipe.graphs.recompiles == 0
+        tokens[size] = [o.token_ids for o in outs]
+        pipe.close()
+    assert tokens[2] == tokens[None]
