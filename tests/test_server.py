@@ -45,7 +45,9 @@ def _free_port() -> int:
 class Served:
     """A running server and what the tests compare against."""
 
-    def __init__(self, tmp: Path, *, max_batch_size: int = 8) -> None:
+    def __init__(
+        self, tmp: Path, *, max_batch_size: int = 8, tensor_parallel_size: int | None = None
+    ) -> None:
         torch.manual_seed(0)
         self.root = tmp / "lora_root"
         self.root.mkdir()
@@ -62,6 +64,7 @@ class Served:
             max_num_batched_tokens=64,
             progress=False,
             enable_lora=True,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.config = S.ServerConfig(
             model_name=MODEL, allow_runtime_lora=True, lora_roots=[str(self.root)]
@@ -118,6 +121,18 @@ def served(tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def served_tp(tmp_path_factory, served):
+    """The same server over 2 tensor-parallel ranks (gloo), compared against the refs of
+    the one-process engine."""
+    srv = Served(tmp_path_factory.mktemp("server-tp"), tensor_parallel_size=2)
+    srv.refs = served.refs
+    srv.start()
+    yield srv
+    srv.stop()
+    srv.engine.pipeline.close()
 
 
 @pytest.fixture
@@ -387,6 +402,18 @@ def test_runtime_load_use_unload(served, client):
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError, match="pirate2"):
         client.completions.create(model="pirate2", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "check",
+    ["completions_equal_offline_greedy", "streaming_completions_and_usage_chunk",
+     "runtime_load_use_unload", "metrics_parse_and_move", "prefix_cache_usage_and_counters"],
+)  # fmt: skip
+def test_served_over_2_tensor_parallel_ranks(served_tp, check):
+    """``serve --tensor-parallel-size 2`` answers the server tests as one process does."""
+    client = openai.OpenAI(base_url=served_tp.url + "/v1", api_key="unused", max_retries=0)
+    assert served_tp.engine.pipeline.tp.size == 2
+    globals()[f"test_{check}"](served_tp, client)
 
 
 def test_concurrent_loads_of_one_name_succeed_once(served, monkeypatch):
