@@ -20,6 +20,7 @@ dies exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import socket
@@ -124,6 +125,24 @@ def worker_assignment() -> tuple[int, str] | None:
     return _ASSIGNED
 
 
+def torchrun_assignment(size: int) -> tuple[int, str] | None:
+    """Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` in the environment):
+    ``(RANK, "env://")``; else None.
+
+    Raises:
+        ValueError: if torchrun started another number of processes than ``size``.
+    """
+    env = os.environ
+    if not {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(env):
+        return None
+    if int(env["WORLD_SIZE"]) != size:
+        raise ValueError(
+            f"torchrun started {env['WORLD_SIZE']} processes, but the tensor-parallel size is "
+            f"{size}: give --nproc-per-node {size}"
+        )
+    return int(env["RANK"]), "env://"
+
+
 def free_init_method() -> str:
     """A ``tcp://127.0.0.1:<port>`` rendezvous on a port free now."""
     with socket.socket() as s:
@@ -136,8 +155,8 @@ class Workers:
     a watchdog thread ends this process, with a message naming the worker, if one exits
     before (rank 0 would otherwise wait in its next collective forever)."""
 
-    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
-        self.processes = processes
+    def __init__(self, processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
+        self.processes = list(processes)
         self.closing = False
         threading.Thread(target=self._watch, name="lora_graph-tp-watchdog", daemon=True).start()
         atexit.register(self.close)
@@ -166,10 +185,9 @@ class Workers:
             return
         self.closing = True
         if stop is not None:
-            try:
+            # (a group already broken: the workers are terminated below)
+            with contextlib.suppress(Exception):
                 stop()
-            except Exception:  # (a group already broken: the workers are terminated below)
-                pass
         for p in self.processes:
             p.join(timeout=10)
             if p.is_alive():
@@ -266,6 +284,7 @@ __all__ = [
     "init_tensor_parallel",
     "start_workers",
     "tensor_parallel",
+    "torchrun_assignment",
     "tp_all_reduce",
     "worker_assignment",
 ]

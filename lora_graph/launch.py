@@ -105,7 +105,7 @@ def build_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             lora=lora,
             **kv,
-            **({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size else {}),
+            tensor_parallel_size=tensor_parallel_size,
         )
     except MemoryBudgetError as e:
         raise CliError(_flag_names(str(e))) from e

@@ -34,7 +34,7 @@ from lora_graph.loading.adapter_files import (
 from lora_graph.parallel import TPRank, local_target, shard_image, shard_weight
 from lora_graph.registry import AdapterRef, AdapterRegistry, LoadedAdapter, LoRAStatus
 from lora_graph.routing import HasAdapter, Routing, RoutingBuffer, sort_lora_batch
-from lora_graph.slots import HostTier, NoFreeSlotError, SlotPool
+from lora_graph.slots import HostTier, NoFreeSlotError, SlotImage, SlotPool
 from lora_graph.targets import LoraModuleRef, LoraTarget
 from lora_graph.wrapping import LoRALayer, WeightsAdapter, lora_weight_adapter, wrap_model
 
@@ -428,11 +428,12 @@ class LoRAManager:
         return cast(AdapterImage, self.host.put(entry.name, image))
 
     # ---- slots ----------------------------------------------------------------------
-    def _write_shares(self, slot: int, image: AdapterImage) -> None:
+    def _write_shares(self, slot: int, image: SlotImage) -> None:
         """Tensor parallel: each rank's share of ``image`` into ``slot``."""
         assert self.tp is not None
+        whole = cast(AdapterImage, image)
         shares = [
-            shard_image(image, self.slot_layout, TPRank(r, self.tp.size))
+            shard_image(whole, self.slot_layout, TPRank(r, self.tp.size))
             for r in range(self.tp.size)
         ]
         if self.slot_writer is not None:

@@ -13,8 +13,10 @@ graphs :mod:`lora_graph.compile`'s.
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -135,43 +137,6 @@ class PipelineModel(abc.ABC):
         self.gpu_memory_utilization = gpu_memory_utilization
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.config = self._create_model_config(self.hf_config)
-        # tensor parallelism: this process's rank (None: no group) and, on rank 0, the
-        # workers and the wire to them
-        self.tp: TPRank | None = None
-        self.workers: distributed.Workers | None = None
-        self._wire: distributed.Wire | None = None
-        assigned = distributed.worker_assignment()
-        if assigned is not None or tensor_parallel_size is not None:
-            size = tensor_parallel_size or 1
-            self._check_tensor_parallel(size)
-            if assigned is None:
-                init_method = distributed.free_init_method()
-                kwargs = dict(
-                    dtype=self.dtype, device=device, max_batch_size=max_batch_size,
-                    max_seq_len=max_seq_len, max_num_batched_tokens=max_num_batched_tokens,
-                    gpu_memory_utilization=gpu_memory_utilization, lora=lora, weights=weights,
-                    tensor_parallel_size=size, **getattr(self, "_init_kwargs", {}),
-                )  # fmt: skip
-                if size > 1:
-                    self.workers = distributed.start_workers(
-                        size, init_method, (type(self), (model_path,), kwargs)
-                    )
-                rank = 0
-            else:
-                rank, init_method = assigned
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", (self.device.index or 0) + rank)
-                torch.cuda.set_device(self.device)
-            else:  # the CPU's cores shared among the ranks (more threads than cores spin)
-                torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
-            self.tp = distributed.init_tensor_parallel(
-                rank,
-                size,
-                init_method=init_method,
-                backend="nccl" if self.device.type == "cuda" else "gloo",
-            )
-            if rank == 0:
-                distributed._CLOSE.append(self.close)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         self.max_seq_len_from_model = max_seq_len is None
         if max_seq_len is None:
@@ -191,6 +156,23 @@ class PipelineModel(abc.ABC):
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
             )
+        # tensor parallelism: this process's rank (None: no group) and, on rank 0, the
+        # workers and the wire to them
+        self.tp: TPRank | None = None
+        self.workers: distributed.Workers | None = None
+        self._wire: distributed.Wire | None = None
+        if distributed.worker_assignment() is not None or tensor_parallel_size is not None:
+            self._join_tensor_parallel(
+                tensor_parallel_size or 1,
+                (type(self), (model_path,), dict(
+                    dtype=self.dtype, device=device, max_batch_size=max_batch_size,
+                    max_seq_len=None if self.max_seq_len_from_model else max_seq_len,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    gpu_memory_utilization=gpu_memory_utilization, lora=lora, weights=weights,
+                    tensor_parallel_size=tensor_parallel_size,
+                    **getattr(self, "_init_kwargs", {}),
+                )),
+            )  # fmt: skip
         self._plan_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
@@ -218,17 +200,70 @@ class PipelineModel(abc.ABC):
             device=self.device,
         )
         self.graphs: GraphCache | None = None
-        if self.tp is not None and self.tp.size > 1:
-            parts = [self.step_buffer.buffer]
-            if self.manager is not None:
-                parts.append(self.manager.routing.buffer)
-                if self.tp.rank == 0:
-                    self.manager.slot_writer = self._send_slot
-            self._wire = distributed.Wire(parts, self.device)
+        if self.tp is not None:
+            self._connect_ranks()
         if self.manager is not None and (self.tp is None or self.tp.rank == 0):
             self.manager.load_configured()
+        if self.tp is not None and self.tp.rank > 0 and distributed.torchrun_assignment(
+            self.tp.size
+        ):  # fmt: skip
+            # a worker started by torchrun: it serves rank 0 here, then its process ends
+            self.serve_worker()
+            distributed.close_tensor_parallel()
+            sys.exit(0)
 
     # ---- tensor parallelism -------------------------------------------------------------
+    def _join_tensor_parallel(self, size: int, build: tuple[Any, ...]) -> None:
+        """Join a tensor-parallel group of ``size`` ranks: as rank 0 (start the workers,
+        each building ``build``, this constructor's class and arguments), or as the worker
+        rank this process was started as; each rank on its own device. Under ``torchrun``
+        (its ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) nothing is started: every
+        process is its rank (``env://``), and a rank other than 0 serves rank 0 from the
+        constructor until rank 0 stops, then exits.
+
+        Raises:
+            ValueError: as :meth:`_check_tensor_parallel`, before any process starts.
+        """
+        from lora_graph import distributed
+
+        self._check_tensor_parallel(size)
+        assigned = distributed.worker_assignment() or distributed.torchrun_assignment(size)
+        if assigned is None:
+            rank, init_method = 0, distributed.free_init_method()
+            if size > 1:
+                self.workers = distributed.start_workers(size, init_method, build)
+        else:
+            rank, init_method = assigned
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", (self.device.index or 0) + rank)
+            torch.cuda.set_device(self.device)
+        else:  # the CPU's cores shared among the ranks (more threads than cores spin)
+            share = max(1, (os.cpu_count() or 1) // size)
+            torch.set_num_threads(min(torch.get_num_threads(), share))
+        self.tp = distributed.init_tensor_parallel(
+            rank,
+            size,
+            init_method=init_method,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+        )
+        if rank == 0:
+            distributed._CLOSE.append(self.close)
+
+    def _connect_ranks(self) -> None:
+        """The wire between the ranks (the step buffer and the routing it carries), and
+        rank 0's slot writer (every rank's share of an adapter, :meth:`_send_slot`)."""
+        from lora_graph import distributed
+
+        assert self.tp is not None
+        if self.tp.size == 1:
+            return
+        parts = [self.step_buffer.buffer]
+        if self.manager is not None:
+            parts.append(self.manager.routing.buffer)
+            if self.tp.rank == 0:
+                self.manager.slot_writer = self._send_slot
+        self._wire = distributed.Wire(parts, self.device)
+
     def _check_tensor_parallel(self, size: int) -> None:
         """Refuse a tensor-parallel size this architecture, its sizes or the devices do not
         allow, before any process is started.
@@ -247,14 +282,15 @@ class PipelineModel(abc.ABC):
             )
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-        if self.device.type == "cuda" and (self.device.index or 0) + size > torch.cuda.device_count():
+        first = self.device.index or 0
+        if self.device.type == "cuda" and first + size > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size {size} needs {size} GPUs from {self.device}; "
                 f"{torch.cuda.device_count()} are visible"
             )
         self._check_shards(TPRank(0, size))
 
-    def _check_shards(self, tp: TPRank) -> None:
+    def _check_shards(self, tp: TPRank) -> None:  # noqa: B027 (optional: an architecture's)
         """Raise ValueError if the model's sizes do not split over ``tp.size`` ranks."""
 
     def _served_targets(self) -> dict[str, LoraTarget]:
@@ -265,8 +301,7 @@ class PipelineModel(abc.ABC):
         if self.tp is None:
             return targets
         return {
-            name: replace(t, parallel="none") if t.per_segment else t
-            for name, t in targets.items()
+            name: replace(t, parallel="none") if t.per_segment else t for name, t in targets.items()
         }
 
     def _checkpoint_select(self) -> Select | None:
@@ -344,10 +379,14 @@ class PipelineModel(abc.ABC):
         Also done at exit."""
         from lora_graph import distributed
 
-        if self.workers is not None:
-            wire = self._wire
+        wire = self._wire
+        if self.workers is not None:  # (its watchdog told first: the workers now exit)
             self.workers.close(stop=lambda: wire.send(distributed.STOP) if wire else None)
             self.workers = None
+        elif wire is not None and self.tp is not None and self.tp.rank == 0:
+            with contextlib.suppress(Exception):  # torchrun's workers (a broken group: gone)
+                wire.send(distributed.STOP)
+        self._wire = None
         if self.tp is not None:
             distributed.close_tensor_parallel()
             self.tp = None
@@ -456,11 +495,13 @@ class PipelineModel(abc.ABC):
             checkpoint = self._weights if select is None else select_state(self._weights, select)
         else:
             checkpoint = read_checkpoint(self.model_dir, select)
-        tied = self.lora_tied_modules() if self.tp is not None else {}
-        if tied:
+        ties = self.lora_tied_modules() if self.tp is not None else {}
+        if ties:
             # the LM head stays whole and untied on every rank: it reads the whole table
-            whole = checkpoint if select is None else self._weights or read_checkpoint(self.model_dir)
-            for head, embedding in tied.items():
+            whole = checkpoint
+            if select is not None:
+                whole = self._weights or read_checkpoint(self.model_dir)
+            for head, embedding in ties.items():
                 if f"{head}.weight" not in checkpoint:
                     checkpoint[f"{head}.weight"] = whole[f"{embedding}.weight"]
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
@@ -746,12 +787,13 @@ class PipelineModelWithKVCache(PipelineModel):
             slots=self._slot_bytes(lora),
             fixed_bytes=fixed_bytes,
         )
-        # tensor parallel: rank 0 hands out the pages of every rank's cache
-        from lora_graph.distributed import agree_min
+        self.num_kv_pages = num_kv_pages
+        if self.tp is not None:  # rank 0 hands out the pages of every rank's cache
+            from lora_graph.distributed import agree_min
 
-        self.max_seq_len, self.num_kv_pages = agree_min(
-            [self.max_seq_len, num_kv_pages], self.device
-        )
+            self.max_seq_len, self.num_kv_pages = agree_min(
+                [self.max_seq_len, num_kv_pages], self.device
+            )
         self.pages = PagePool(self.num_kv_pages, self.page_size)
 
     def _max_pages_per_request(self) -> int:

@@ -145,6 +145,8 @@ def test_size_2_equals_size_1(models, kind):
 
 
 def test_cli_generate_tensor_parallel_2_prints_the_same_file(models, tmp_path):
+    """Size 1 (no group), size 2 (the command starts its worker) and size 2 under
+    ``torchrun`` (two processes of the command) write the same output file."""
     base, adapters = models("tied")
     lines = [
         json.dumps({"id": f"r{i}", "prompt_token_ids": ids, "adapter": name, "max_new_tokens": 8})
@@ -154,16 +156,23 @@ def test_cli_generate_tensor_parallel_2_prints_the_same_file(models, tmp_path):
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines) + "\n")
     outputs = []
-    for size in (None, 2):
-        out = tmp_path / f"out-{size}.jsonl"
+    for run in ("one", "spawn", "torchrun"):
+        out = tmp_path / f"out-{run}.jsonl"
         argv = ["generate", "--model", str(base), "--device", "cpu", "--max-loras", "4",
-                "--requests", str(requests), "--output", str(out), "--max-seq-len", "64"]  # fmt: skip
+                "--requests", str(requests), "--output", str(out),
+                "--max-seq-len", "64"]  # fmt: skip
         argv += [f"--lora={n}={p}" for n, p in adapters.items()]
-        if size:
-            argv += ["--tensor-parallel-size", str(size)]
-        assert main(argv) == 0
+        if run != "one":
+            argv += ["--tensor-parallel-size", "2"]
+        if run == "torchrun":
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            done = subprocess.run([*launcher, "-m", "lora_graph.cli", *argv],
+                                  capture_output=True, text=True, timeout=180)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-3000:]
+        else:
+            assert main(argv) == 0
         outputs.append(out.read_text())
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
     assert len(outputs[0].splitlines()) == 6 and '"error"' not in outputs[0]
 
 
