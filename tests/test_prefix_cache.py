@@ -263,7 +263,7 @@ def _churn_waves():
              for i in range(6)]  # fmt: skip
     events = [None, None, "reload A", None, "unload B", "load B"]
     waves, n = [], 0
-    for w in range(20):
+    for w in range(12):  # every adapter event twice
         reqs = []
         for _ in range(100):
             adapter = g.choice([None, "A", "B"])
@@ -277,7 +277,7 @@ def _churn_waves():
 
 
 def test_randomized_churn_with_the_cache_equals_without(tiny):
-    """2,000 requests on 6 shared prefixes (1-4 full pages) under base, A and B, with aborts,
+    """1,200 requests on 6 shared prefixes (1-4 full pages) under base, A and B, with aborts,
     a pool small enough to preempt, and adapter churn while requests run (A reloaded with
     other weights and back, B unloaded and loaded again): every request finishing in both
     runs has the same tokens with the cache on as off, the cache hits, and every page is
@@ -285,11 +285,11 @@ def test_randomized_churn_with_the_cache_equals_without(tiny):
     waves = _churn_waves()
     hot, engine = _churn_run(tiny, waves, True)
     cold, cold_engine = _churn_run(tiny, waves, False)
-    assert len(hot) == len(cold) == 2000
+    assert len(hot) == len(cold) == 1200
     both = [i for i in hot if hot[i].error is None and cold[i].error is None]
-    assert len(both) > 1500
+    assert len(both) > 900
     assert [hot[i].token_ids for i in both] == [cold[i].token_ids for i in both]
-    assert sum(o.cached_tokens for o in hot.values()) > 5_000
+    assert sum(o.cached_tokens for o in hot.values()) > 3_000
     assert engine.preemptions > 0
     for e in (engine, cold_engine):
         assert e.pages.num_free == e.pages.capacity
