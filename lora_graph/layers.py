@@ -105,9 +105,6 @@ class LoRALinear(_LoRALayer):
         # the same slot stacks and ranks every call, and routing views laid out alike
         self.plans_tokens: dict = {}
         self.plans_segments: dict = {}
-        #: the delta added into the base output in place even where a side stream would
-        #: run it (:meth:`lora_graph.ops.Kernels.linear`; tensor parallelism's row layers)
-        self.delta_in_place = False
 
     def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         """The base linear, then the LoRA delta of the routed rows."""

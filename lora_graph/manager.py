@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from lora_graph import ops
 from lora_graph.config import AdapterError, AdapterInfo, LoRAConfig
-from lora_graph.layers import LoRALinear
 from lora_graph.layout import AdapterImage, SlotLayout
 from lora_graph.loading.adapter_files import (
     AdapterReader,
@@ -559,10 +558,6 @@ class LoRAManager:
             kernels=self.kernels,
             ranks=self.slots.ranks,
         )
-        if self.tp is not None:  # a row layer's output goes to the all-reduce: no add to fuse
-            for (name, _), layer in self.layers.items():
-                if self.targets[name].parallel == "row" and isinstance(layer, LoRALinear):
-                    layer.delta_in_place = True
         return model
 
     def lora_weight_adapter(

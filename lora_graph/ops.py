@@ -248,7 +248,6 @@ class LoRALinearParams(Protocol):
     per_segment: bool
     plans_tokens: dict
     plans_segments: dict
-    delta_in_place: bool
 
 
 def silu_and_mul(y: Tensor) -> Tensor:
@@ -304,16 +303,13 @@ class Kernels:
         linear and the delta in one op, the delta on a side stream, added after it in
         float32 and rounded once. Otherwise shrink and expand after the base linear (the
         expand adds in float32 and rounds once; eagerly within that many rows, with
-        ``delta_``, in one launch): the same result. A layer with ``delta_in_place`` (a
-        row-parallel layer under tensor parallelism, whose output goes to an all-reduce,
-        not to a pointwise kernel the side stream's add would fuse into) always takes the
-        in-place expand."""
+        ``delta_``, in one launch): the same result."""
         by_segment = layer.per_segment and x.dim() == 2
         route = routing.segments if by_segment else routing.tokens
         x2 = x.reshape(-1, x.shape[-1])
         k = self.now()
         small = x2.shape[0] <= self.policy.side_stream_max_rows
-        if k.linear_delta is not None and small and in_graph(x2) and not layer.delta_in_place:
+        if k.linear_delta is not None and small and in_graph(x2):
             y, buf = k.linear_delta(
                 x2, layer.base.weight, layer.base.bias, layer.a, layer.b, layer.num_slices,
                 layer.out_slices, *route, ranks=layer.ranks,
@@ -321,8 +317,7 @@ class Kernels:
             d = buf[: y.numel()].view(y.shape)
             return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = layer.base(x)
-        if k.delta_ is not None and small and not (layer.delta_in_place and in_graph(x2)):
-            # eager decode
+        if k.delta_ is not None and small:  # eager decode
             plans = layer.plans_segments if by_segment else layer.plans_tokens
             k.delta_(y.view(-1, y.shape[-1]), x2, layer.a, layer.b, layer.out_slices, *route,
                      ranks=layer.ranks, plans=plans)  # fmt: skip

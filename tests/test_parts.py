@@ -338,7 +338,7 @@ def test_the_kernel_policy_picks_each_layer_path(monkeypatch, policy_kw, rows, w
     layer = SimpleNamespace(
         base=base, a=torch.randn(3, 2 * 4, 16, generator=g), b=torch.randn(3, 24, 4, generator=g),
         ranks=None, num_slices=2, out_slices=[12, 12], per_segment=False, plans_tokens={},
-        plans_segments={}, delta_in_place=False,
+        plans_segments={},
     )  # fmt: skip
     routing = RoutingBuffer(2, torch.device("cpu")).fill([1], [0, rows], [0, 1])  # slot 1
     x = torch.randn(rows, 16, generator=g)
