@@ -104,30 +104,6 @@ def tp_all_reduce(x: Tensor) -> Tensor:
     return x
 
 
-@torch.library.custom_op("lora_graph::tp_all_reduce_pair_", mutates_args=("x", "y"))
-def _all_reduce_pair_(x: Tensor, y: Tensor) -> None:
-    if _RANK is None:
-        return
-    if x.is_cuda:  # one NCCL group: one launch for both
-        with dist.distributed_c10d._coalescing_manager(device=x.device):
-            dist.all_reduce(x)
-            dist.all_reduce(y)
-    else:
-        dist.all_reduce(x)
-        dist.all_reduce(y)
-
-
-def tp_all_reduce_sum(x: Tensor, d: Tensor) -> Tensor:
-    """``x + d`` summed over the tensor-parallel ranks, for a row-parallel layer's base
-    output ``x`` and the float32 LoRA delta ``d`` its side stream computed
-    (:meth:`lora_graph.layers.LoRALinear.forward_parts`): both all-reduced in place in
-    one coalesced collective (the custom op ``lora_graph::tp_all_reduce_pair_``), then
-    added in float32 and rounded to ``x``'s dtype once, an add the compiled step fuses
-    into the residual add that follows (as without tensor parallelism)."""
-    _all_reduce_pair_(x, d)
-    return (x + d).to(x.dtype)
-
-
 def agree_min(values: Sequence[int], device: torch.device) -> list[int]:
     """Each of ``values``' minimum over the ranks (sizes every rank must share, as the KV
     cache's pages: rank 0 hands out page numbers for all); the values themselves without
@@ -310,6 +286,5 @@ __all__ = [
     "tensor_parallel",
     "torchrun_assignment",
     "tp_all_reduce",
-    "tp_all_reduce_sum",
     "worker_assignment",
 ]

@@ -112,14 +112,6 @@ class LoRALinear(_LoRALayer):
             return self.base(x)
         return self._kernels.linear(self, x, routing)
 
-    def forward_parts(self, x: Tensor, routing: Routing | None) -> tuple[Tensor, Tensor | None]:
-        """The forward as ``(y, d)``: where the delta ran on a side stream, the base output
-        and the float32 delta apart (``y + d`` rounded once is the forward), else the
-        forward and None (:meth:`lora_graph.ops.Kernels.linear_parts`)."""
-        if routing is None:
-            return self.base(x), None
-        return self._kernels.linear_parts(self, x, routing)
-
     def silu_and_mul(self, x: Tensor, routing: Routing | None = None) -> Tensor:
         """:meth:`Linear.silu_and_mul` with LoRA (:meth:`lora_graph.ops.Kernels.silu_and_mul`:
         the expand fused with the activation where the backend has it)."""

@@ -297,26 +297,13 @@ class Kernels:
         return self.direct
 
     def linear(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
-        """``layer.base(x)`` plus the LoRA delta of the rows ``routing`` sends to adapters:
-        :meth:`linear_parts`, the side stream's float32 delta added and rounded once."""
-        y, d = self.linear_parts(layer, x, routing)
-        return y if d is None else (y + d).to(y.dtype)
-
-    def linear_parts(
-        self, layer: LoRALinearParams, x: Tensor, routing: Routing
-    ) -> tuple[Tensor, Tensor | None]:
         """``layer.base(x)`` plus the LoRA delta of the rows ``routing`` sends to adapters
         (:class:`lora_graph.layers.LoRALinear`'s forward). Within
         ``policy.side_stream_max_rows`` rows in a graph, with ``linear_delta``: the base
         linear and the delta in one op, the delta on a side stream, added after it in
         float32 and rounded once. Otherwise shrink and expand after the base linear (the
         expand adds in float32 and rounds once; eagerly within that many rows, with
-        ``delta_``, in one launch): the same result.
-
-        Returns ``(y, d)``: the side stream's path gives the base output ``y`` and the
-        float32 delta ``d`` apart (a tensor-parallel row layer all-reduces both before
-        adding them, so the add still fuses into the residual add), every other path
-        ``(y with its delta, None)``; shapes ``[..., out]`` as ``x``'s leading dims."""
+        ``delta_``, in one launch): the same result."""
         by_segment = layer.per_segment and x.dim() == 2
         route = routing.segments if by_segment else routing.tokens
         x2 = x.reshape(-1, x.shape[-1])
@@ -328,17 +315,16 @@ class Kernels:
                 layer.out_slices, *route, ranks=layer.ranks,
             )  # fmt: skip
             d = buf[: y.numel()].view(y.shape)
-            shape = (*x.shape[:-1], y.shape[-1])
-            return y.view(shape), d.view(shape)
+            return (y + d).to(y.dtype).view(*x.shape[:-1], y.shape[-1])
         y = layer.base(x)
         if k.delta_ is not None and small:  # eager decode
             plans = layer.plans_segments if by_segment else layer.plans_tokens
             k.delta_(y.view(-1, y.shape[-1]), x2, layer.a, layer.b, layer.out_slices, *route,
                      ranks=layer.ranks, plans=plans)  # fmt: skip
-            return y, None
+            return y
         h = k.shrink(x2, layer.a, layer.num_slices, *route, ranks=layer.ranks)
         k.expand(y.view(-1, y.shape[-1]), h, layer.b, layer.out_slices, *route, ranks=layer.ranks)
-        return y, None
+        return y
 
     def silu_and_mul(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
         """``silu_and_mul(layer(x))`` with LoRA. With ``expand_silu_mul`` and a two-slice

@@ -19,7 +19,7 @@ from lora_graph.attention import (
     paged_attention,
     rope_kv_write,
 )
-from lora_graph.distributed import tp_all_reduce, tp_all_reduce_sum
+from lora_graph.distributed import tp_all_reduce
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
 
@@ -202,22 +202,8 @@ class PagedAttention(nn.Module):
             self.window or 0,
             *cap,
         )
-        if self.reduce:
-            return row_parallel(self.o_proj, out.view(n, c.q_size), routing)
-        return self.o_proj(out.view(n, c.q_size), routing)
-
-
-def row_parallel(linear: nn.Module, x: Tensor, routing: Routing | None) -> Tensor:
-    """A row-parallel linear's output (this rank's partial sum, its LoRA delta included)
-    summed over the tensor-parallel ranks. A delta a side stream computed beside the base
-    GEMM (decode in a captured step) is all-reduced with the base output in one coalesced
-    collective and added after it (:func:`lora_graph.distributed.tp_all_reduce_sum`): the
-    add then fuses into the residual add, as without tensor parallelism."""
-    parts = getattr(linear, "forward_parts", None)
-    if parts is None or routing is None:
-        return tp_all_reduce(linear(x, routing))
-    y, d = parts(x, routing)
-    return tp_all_reduce(y) if d is None else tp_all_reduce_sum(y, d)
+        out = self.o_proj(out.view(n, c.q_size), routing)
+        return tp_all_reduce(out) if self.reduce else out
 
 
 def _gelu_tanh_and_mul(x: Tensor) -> Tensor:
@@ -249,9 +235,8 @@ class GatedMLP(nn.Module):
             h = self.gate_up_proj.silu_and_mul(x, routing)
         else:
             h = _gelu_tanh_and_mul(self.gate_up_proj(x, routing))
-        if self.reduce:
-            return row_parallel(self.down_proj, h, routing)
-        return self.down_proj(h, routing)
+        out = self.down_proj(h, routing)
+        return tp_all_reduce(out) if self.reduce else out
 
 
 def fuse_checkpoint(
