@@ -13,9 +13,7 @@ graphs :mod:`lora_graph.compile`'s.
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -39,6 +37,7 @@ from lora_graph.parallel import TPRank, checkpoint_share
 from lora_graph.routing import Routing
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
+from lora_graph.tensor_parallel import RankLink
 
 if TYPE_CHECKING:
     from lora_graph.compile.cache import GraphCache
@@ -156,23 +155,26 @@ class PipelineModel(abc.ABC):
             raise ValueError(
                 f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}"
             )
-        # tensor parallelism: this process's rank (None: no group) and, on rank 0, the
-        # workers and the wire to them
+        # tensor parallelism: this process's rank and its link to the others (None: none)
         self.tp: TPRank | None = None
-        self.workers: distributed.Workers | None = None
-        self._wire: distributed.Wire | None = None
+        self.link: RankLink | None = None
         if distributed.worker_assignment() is not None or tensor_parallel_size is not None:
-            self._join_tensor_parallel(
-                tensor_parallel_size or 1,
+            size = tensor_parallel_size or 1
+            self._check_tensor_parallel(size)
+            self.link = RankLink(
+                size,
+                self.device,
                 (type(self), (model_path,), dict(
                     dtype=self.dtype, device=device, max_batch_size=max_batch_size,
                     max_seq_len=None if self.max_seq_len_from_model else max_seq_len,
                     max_num_batched_tokens=max_num_batched_tokens,
                     gpu_memory_utilization=gpu_memory_utilization, lora=lora, weights=weights,
-                    tensor_parallel_size=tensor_parallel_size,
-                    **getattr(self, "_init_kwargs", {}),
+                    tensor_parallel_size=size, **getattr(self, "_init_kwargs", {}),
                 )),
             )  # fmt: skip
+            self.device, self.tp = self.link.device, self.link.tp
+            if self.tp.rank == 0:
+                distributed._CLOSE.append(self.close)
         self._plan_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
@@ -200,70 +202,17 @@ class PipelineModel(abc.ABC):
             device=self.device,
         )
         self.graphs: GraphCache | None = None
-        if self.tp is not None:
-            self._connect_ranks()
+        if self.link is not None:
+            self.link.connect(self)
         if self.manager is not None and (self.tp is None or self.tp.rank == 0):
             self.manager.load_configured()
-        if self.tp is not None and self.tp.rank > 0 and distributed.torchrun_assignment(
-            self.tp.size
-        ):  # fmt: skip
+        if self.link is not None and self.link.torchrun and self.link.tp.rank > 0:
             # a worker started by torchrun: it serves rank 0 here, then its process ends
             self.serve_worker()
-            distributed.close_tensor_parallel()
+            self.link.close()
             sys.exit(0)
 
     # ---- tensor parallelism -------------------------------------------------------------
-    def _join_tensor_parallel(self, size: int, build: tuple[Any, ...]) -> None:
-        """Join a tensor-parallel group of ``size`` ranks: as rank 0 (start the workers,
-        each building ``build``, this constructor's class and arguments), or as the worker
-        rank this process was started as; each rank on its own device. Under ``torchrun``
-        (its ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) nothing is started: every
-        process is its rank (``env://``), and a rank other than 0 serves rank 0 from the
-        constructor until rank 0 stops, then exits.
-
-        Raises:
-            ValueError: as :meth:`_check_tensor_parallel`, before any process starts.
-        """
-        from lora_graph import distributed
-
-        self._check_tensor_parallel(size)
-        assigned = distributed.worker_assignment() or distributed.torchrun_assignment(size)
-        if assigned is None:
-            rank, init_method = 0, distributed.free_init_method()
-            if size > 1:
-                self.workers = distributed.start_workers(size, init_method, build)
-        else:
-            rank, init_method = assigned
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", (self.device.index or 0) + rank)
-            torch.cuda.set_device(self.device)
-        else:  # the CPU's cores shared among the ranks (more threads than cores spin)
-            share = max(1, (os.cpu_count() or 1) // size)
-            torch.set_num_threads(min(torch.get_num_threads(), share))
-        self.tp = distributed.init_tensor_parallel(
-            rank,
-            size,
-            init_method=init_method,
-            backend="nccl" if self.device.type == "cuda" else "gloo",
-        )
-        if rank == 0:
-            distributed._CLOSE.append(self.close)
-
-    def _connect_ranks(self) -> None:
-        """The wire between the ranks (the step buffer and the routing it carries), and
-        rank 0's slot writer (every rank's share of an adapter, :meth:`_send_slot`)."""
-        from lora_graph import distributed
-
-        assert self.tp is not None
-        if self.tp.size == 1:
-            return
-        parts = [self.step_buffer.buffer]
-        if self.manager is not None:
-            parts.append(self.manager.routing.buffer)
-            if self.tp.rank == 0:
-                self.manager.slot_writer = self._send_slot
-        self._wire = distributed.Wire(parts, self.device)
-
     def _check_tensor_parallel(self, size: int) -> None:
         """Refuse a tensor-parallel size this architecture, its sizes or the devices do not
         allow, before any process is started.
@@ -323,73 +272,20 @@ class PipelineModel(abc.ABC):
 
         return select
 
-    def _send_slot(self, slot: int, shares: list[Any]) -> None:
-        """Rank 0's slot writer: every rank gets its share of an adapter image
-        (:meth:`LoRAManager._write_shares`) in ``slot``, by one scatter."""
-        import torch.distributed as dist
-
-        from lora_graph import distributed
-
-        assert self._wire is not None and self.manager is not None
-        self._wire.send(distributed.SLOT, slot, shares[0].rank)
-        target = self.manager.slots.pool[slot]
-        parts = []
-        for share in shares:
-            part = torch.zeros_like(target)
-            share.write(part)
-            parts.append(part)
-        dist.scatter(target, parts, src=0)
-
     def serve_worker(self) -> None:
-        """A worker rank's loop: run each command rank 0 sends (a step, a slot write, a
-        capture) until it says stop."""
-        import torch.distributed as dist
-
-        from lora_graph import distributed
-
-        wire = self._wire
-        assert wire is not None
-        while True:
-            command, *args = wire.receive()
-            if command == distributed.STEP:
-                tokens, seqs, lora, all_logits = args[:4]
-                wire.unpack((0, 1) if lora else (0,))
-                width = (tokens, seqs)
-                routing = self.routing_buffer if lora else None
-                self.execute(
-                    ModelInputs(self.step_buffer.views(width), routing, [], width, bool(all_logits))
-                )
-            elif command == distributed.SLOT:
-                assert self.manager is not None
-                slot, rank = args[:2]
-                dist.scatter(self.manager.slots.pool[slot], None, src=0)
-                self.manager.slots.ranks[slot] = rank
-            elif command == distributed.CAPTURE:
-                spec: list[Any] = [None]
-                dist.broadcast_object_list(spec, src=0)
-                mode, buckets = spec[0]
-                self.enable_compile(mode, token_buckets=buckets, progress=False)
-            elif command == distributed.STOP:
-                return
-            else:
-                raise RuntimeError(f"unknown tensor-parallel command {command}")
+        """A worker rank's loop: run each command rank 0 sends until it says stop
+        (:meth:`RankLink.serve`)."""
+        assert self.link is not None
+        self.link.serve(self)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the group (nothing without one).
         Also done at exit."""
         from lora_graph import distributed
 
-        wire = self._wire
-        if self.workers is not None:  # (its watchdog told first: the workers now exit)
-            self.workers.close(stop=lambda: wire.send(distributed.STOP) if wire else None)
-            self.workers = None
-        elif wire is not None and self.tp is not None and self.tp.rank == 0:
-            with contextlib.suppress(Exception):  # torchrun's workers (a broken group: gone)
-                wire.send(distributed.STOP)
-        self._wire = None
-        if self.tp is not None:
-            distributed.close_tensor_parallel()
-            self.tp = None
+        if self.link is not None:
+            self.link.close()
+            self.link, self.tp = None, None
             if self.close in distributed._CLOSE:
                 distributed._CLOSE.remove(self.close)
 
@@ -555,14 +451,8 @@ class PipelineModel(abc.ABC):
         if token_buckets is None:
             top = self.max_num_batched_tokens
             token_buckets = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
-        if self._wire is not None and self.tp is not None and self.tp.rank == 0:
-            import torch.distributed as dist
-
-            from lora_graph import distributed
-
-            # every rank captures the same graphs in the same order (their collectives meet)
-            self._wire.send(distributed.CAPTURE)
-            dist.broadcast_object_list([(mode, list(token_buckets))], src=0)
+        if self.link is not None and self.link.sends:
+            self.link.send_capture(mode, list(token_buckets))
         self.graphs = GraphCache(
             self,
             mode=mode,  # type: ignore[arg-type]
@@ -640,17 +530,8 @@ class PipelineModel(abc.ABC):
         (rows past the chunks are padding), or ``[T, vocab]`` with ``all_logits``. A step
         whose width was captured replays its graph (the logits are then valid until the
         next replay); others run eagerly."""
-        if self._wire is not None and self.tp is not None and self.tp.rank == 0:
-            from lora_graph import distributed
-
-            lora = inputs.routing is not None
-            self._wire.send(
-                distributed.STEP,
-                *inputs.width,
-                int(lora),
-                int(inputs.all_logits),
-                carry=(0, 1) if lora else (0,),
-            )
+        if self.link is not None and self.link.sends:
+            self.link.send_step(inputs)
         if self.graphs is not None and not inputs.all_logits:
             graph = self.graphs.lookup(inputs)
             if graph is not None:

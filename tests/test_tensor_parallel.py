@@ -193,7 +193,7 @@ def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
         from test_tensor_parallel import _pipeline, _prefill_logits
         pipe = _pipeline({str(base)!r}, {{}}, 2)
         _prefill_logits(pipe, [None, None])
-        os.kill(pipe.workers.processes[0].pid, signal.SIGKILL)
+        os.kill(pipe.link.workers.processes[0].pid, signal.SIGKILL)
         for _ in range(1000):
             _prefill_logits(pipe, [None, None])
         print("not stopped")

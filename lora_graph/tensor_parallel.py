@@ -1,0 +1,165 @@
+"""The runner's side of tensor parallelism: one pipeline's place in a group of ranks
+(:class:`RankLink`), what rank 0 sends over the wire (each step, each slot write, each
+capture, stop) and the loop a worker rank runs on what it receives.
+
+A pipeline built with ``tensor_parallel_size`` holds one :class:`RankLink` (``pipeline.
+link``). On rank 0 it starts the workers (or finds torchrun's), joins the group and sends;
+on a worker it joins and :meth:`RankLink.serve` runs the commands until rank 0 stops. The
+collectives and processes themselves are :mod:`lora_graph.distributed`'s; what each rank
+holds is :mod:`lora_graph.parallel`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lora_graph import distributed
+from lora_graph.parallel import TPRank
+from lora_graph.step import ModelInputs
+
+
+class RankLink:
+    """One pipeline's rank in a tensor-parallel group of ``size`` ranks.
+
+    Joining: as the worker rank this process was started as (:func:`lora_graph.
+    distributed.start_workers`), as the rank torchrun gave it (``env://``; nothing is
+    started), or else as rank 0, which starts ranks ``1..size-1``, each building
+    ``build`` (the pipeline's class, positional and keyword arguments). Each rank takes
+    its own device: ``cuda:<first + rank>``, or on the CPU an equal share of the cores.
+
+    Args:
+        size: ranks of the group.
+        device: the pipeline's device as given (its index: the first GPU).
+        build: ``(cls, args, kwargs)`` a worker builds its pipeline from.
+
+    Attributes:
+        tp: this rank; device: its device; workers: rank 0's started workers (None
+            otherwise); torchrun: whether torchrun started the ranks.
+    """
+
+    def __init__(self, size: int, device: torch.device, build: tuple[Any, ...]) -> None:
+        assigned = distributed.worker_assignment()
+        from_torchrun = distributed.torchrun_assignment(size) if assigned is None else None
+        self.torchrun = from_torchrun is not None
+        self.workers: distributed.Workers | None = None
+        self.wire: distributed.Wire | None = None
+        if assigned is None and from_torchrun is None:
+            rank, init_method = 0, distributed.free_init_method()
+            if size > 1:
+                self.workers = distributed.start_workers(size, init_method, build)
+        else:
+            rank, init_method = assigned or from_torchrun  # type: ignore[misc]
+        if device.type == "cuda":
+            device = torch.device("cuda", (device.index or 0) + rank)
+            torch.cuda.set_device(device)
+        else:  # the CPU's cores shared among the ranks (more threads than cores spin)
+            share = max(1, (os.cpu_count() or 1) // size)
+            torch.set_num_threads(min(torch.get_num_threads(), share))
+        self.device = device
+        self.tp = distributed.init_tensor_parallel(
+            rank,
+            size,
+            init_method=init_method,
+            backend="nccl" if device.type == "cuda" else "gloo",
+        )
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank sends commands: rank 0 of a group of several."""
+        return self.wire is not None and self.tp.rank == 0
+
+    def connect(self, pipeline: Any) -> None:
+        """The wire between the ranks, carrying the pipeline's step buffer and routing, and
+        rank 0's slot writer (every rank's share of an adapter image, :meth:`send_slot`)."""
+        if self.tp.size == 1:
+            return
+        parts = [pipeline.step_buffer.buffer]
+        manager = pipeline.manager
+        if manager is not None:
+            parts.append(manager.routing.buffer)
+            if self.tp.rank == 0:
+                manager.slot_writer = lambda slot, shares: self.send_slot(manager, slot, shares)
+        self.wire = distributed.Wire(parts, self.device)
+
+    # ---- rank 0 ---------------------------------------------------------------------------
+    def send_step(self, inputs: ModelInputs) -> None:
+        """Rank 0: the step about to run (its width, LoRA or not, every token's logits or
+        not), with the step buffer and, for a LoRA step, the routing: one broadcast."""
+        assert self.wire is not None
+        lora = inputs.routing is not None
+        self.wire.send(
+            distributed.STEP,
+            *inputs.width,
+            int(lora),
+            int(inputs.all_logits),
+            carry=(0, 1) if lora else (0,),
+        )
+
+    def send_capture(self, mode: str, token_buckets: list[int]) -> None:
+        """Rank 0: every rank captures the same graphs in the same order (the collectives
+        inside them meet)."""
+        assert self.wire is not None
+        self.wire.send(distributed.CAPTURE)
+        dist.broadcast_object_list([(mode, token_buckets)], src=0)
+
+    def send_slot(self, manager: Any, slot: int, shares: list[Any]) -> None:
+        """Rank 0's slot writer: rank ``r`` gets ``shares[r]`` (an adapter image of its
+        slot layout: :meth:`LoRAManager._write_shares`) in ``slot``, by one scatter."""
+        assert self.wire is not None
+        self.wire.send(distributed.SLOT, slot, shares[0].rank)
+        target = manager.slots.pool[slot]
+        parts = []
+        for share in shares:
+            part = torch.zeros_like(target)
+            share.write(part)
+            parts.append(part)
+        dist.scatter(target, parts, src=0)
+
+    # ---- a worker -------------------------------------------------------------------------
+    def serve(self, pipeline: Any) -> None:
+        """A worker rank's loop: run each command rank 0 sends (a step, a slot write, a
+        capture) on ``pipeline`` until it says stop."""
+        wire = self.wire
+        assert wire is not None
+        while True:
+            command, *args = wire.receive()
+            if command == distributed.STEP:
+                tokens, seqs, lora, all_logits = args[:4]
+                wire.unpack((0, 1) if lora else (0,))
+                width = (tokens, seqs)
+                routing = pipeline.routing_buffer if lora else None
+                views = pipeline.step_buffer.views(width)
+                pipeline.execute(ModelInputs(views, routing, [], width, bool(all_logits)))
+            elif command == distributed.SLOT:
+                slot, rank = args[:2]
+                dist.scatter(pipeline.manager.slots.pool[slot], None, src=0)
+                pipeline.manager.slots.ranks[slot] = rank
+            elif command == distributed.CAPTURE:
+                spec: list[Any] = [None]
+                dist.broadcast_object_list(spec, src=0)
+                mode, buckets = spec[0]
+                pipeline.enable_compile(mode, token_buckets=buckets, progress=False)
+            elif command == distributed.STOP:
+                return
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+    def close(self) -> None:
+        """Rank 0: stop the workers (its own, or torchrun's: STOP); every rank: leave the
+        group."""
+        wire, self.wire = self.wire, None
+        if self.workers is not None:  # (its watchdog told first: the workers now exit)
+            self.workers.close(stop=lambda: wire.send(distributed.STOP) if wire else None)
+            self.workers = None
+        elif wire is not None and self.tp.rank == 0:
+            with contextlib.suppress(Exception):  # torchrun's workers (a broken group: gone)
+                wire.send(distributed.STOP)
+        distributed.close_tensor_parallel()
+
+
+__all__ = ["RankLink", "TPRank"]
