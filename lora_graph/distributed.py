@@ -162,15 +162,23 @@ class Workers:
         atexit.register(self.close)
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        ready = wait(list(sentinels))
-        if self.closing:
-            return
-        rank = sentinels[ready[0]]  # type: ignore[index]
+        ready = wait([p.sentinel for p in self.processes])
+        if not self.closing:
+            self._stop_for(ready[0])
+
+    def fail_if_dead(self, timeout: float) -> None:
+        """If a worker exits within ``timeout`` seconds (a collective that just failed
+        on rank 0 usually means one did), end this process with the watchdog's message."""
+        ready = wait([p.sentinel for p in self.processes], timeout=timeout)
+        if ready and not self.closing:
+            self._stop_for(ready[0])
+
+    def _stop_for(self, sentinel: Any) -> None:
+        rank = next(r for r, p in enumerate(self.processes, start=1) if p.sentinel == sentinel)
         process = self.processes[rank - 1]
         process.join(timeout=1)
         print(
-            f"lora_graph: tensor-parallel worker rank {rank} (pid {process.pid}) exited with "
+            f"\nlora_graph: tensor-parallel worker rank {rank} (pid {process.pid}) exited with "
             f"code {process.exitcode}; stopping rank 0 (its collectives would wait for it "
             "forever). The worker's own error, if any, is above.",
             file=sys.stderr,
@@ -192,6 +200,10 @@ class Workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():  # (a stopped or hung worker ignores SIGTERM)
+                p.kill()
+                p.join(timeout=2)
 
 
 def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Workers:

@@ -161,6 +161,12 @@ def check_engine_flags(
             ``NAME=PATH``, a name given twice, or a name a runtime load would refuse
             (1-64 letters, digits, '.', '_', '-').
     """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and tensor_parallel_size is None:
+        raise CliError(
+            f"started by torchrun with {world} processes: give --tensor-parallel-size {world} "
+            "(without it every process would run the whole job)"
+        )
     for flag, value, least in (
         ("--max-loras", max_loras, 1),
         ("--max-lora-rank", max_lora_rank, 1),

@@ -158,6 +158,7 @@ class PipelineModel(abc.ABC):
         # tensor parallelism: this process's rank and its link to the others (None: none)
         self.tp: TPRank | None = None
         self.link: RankLink | None = None
+        self._closed = False  # a tensor-parallel pipeline after close(): its shards are gone
         if distributed.worker_assignment() is not None or tensor_parallel_size is not None:
             size = tensor_parallel_size or 1
             self._check_tensor_parallel(size)
@@ -175,6 +176,7 @@ class PipelineModel(abc.ABC):
             self.device, self.tp = self.link.device, self.link.tp
             if self.tp.rank == 0:
                 distributed._CLOSE.append(self.close)
+            self.max_seq_len_note += f", tensor parallel size {size}"
         self._plan_memory(lora)
         self.manager: LoRAManager | None = None
         if lora is not None:
@@ -285,7 +287,7 @@ class PipelineModel(abc.ABC):
 
         if self.link is not None:
             self.link.close()
-            self.link, self.tp = None, None
+            self.link, self.tp, self._closed = None, None, True
             if self.close in distributed._CLOSE:
                 distributed._CLOSE.remove(self.close)
 
@@ -502,6 +504,11 @@ class PipelineModel(abc.ABC):
                 does not fit (more than ``max_num_batched_tokens`` tokens or
                 ``max_batch_size`` requests, pages not covering a chunk).
         """
+        if self._closed:
+            raise RuntimeError(
+                "this tensor-parallel pipeline was closed: its model is only this rank's "
+                "shard now (build a new one)"
+            )
         if not chunks:
             raise ValueError("a step needs at least one chunk")
         chunks = list(chunks)
@@ -532,6 +539,11 @@ class PipelineModel(abc.ABC):
         next replay); others run eagerly."""
         if self.link is not None and self.link.sends:
             self.link.send_step(inputs)
+            with self.link.guard():  # (the collectives inside the step)
+                return self._execute(inputs)
+        return self._execute(inputs)
+
+    def _execute(self, inputs: ModelInputs) -> Tensor:
         if self.graphs is not None and not inputs.all_logits:
             graph = self.graphs.lookup(inputs)
             if graph is not None:

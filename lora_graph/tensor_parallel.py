@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,18 @@ class RankLink:
             backend="nccl" if device.type == "cuda" else "gloo",
         )
 
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Rank 0: a collective that fails because a worker died ends this process with
+        the message naming the worker (:meth:`Workers.fail_if_dead`), not the backend's
+        traceback."""
+        try:
+            yield
+        except RuntimeError:
+            if self.workers is not None:
+                self.workers.fail_if_dead(timeout=5.0)
+            raise
+
     @property
     def sends(self) -> bool:
         """Whether this rank sends commands: rank 0 of a group of several."""
@@ -92,33 +105,36 @@ class RankLink:
         not), with the step buffer and, for a LoRA step, the routing: one broadcast."""
         assert self.wire is not None
         lora = inputs.routing is not None
-        self.wire.send(
-            distributed.STEP,
-            *inputs.width,
-            int(lora),
-            int(inputs.all_logits),
-            carry=(0, 1) if lora else (0,),
-        )
+        with self.guard():
+            self.wire.send(
+                distributed.STEP,
+                *inputs.width,
+                int(lora),
+                int(inputs.all_logits),
+                carry=(0, 1) if lora else (0,),
+            )
 
     def send_capture(self, mode: str, token_buckets: list[int]) -> None:
         """Rank 0: every rank captures the same graphs in the same order (the collectives
         inside them meet)."""
         assert self.wire is not None
-        self.wire.send(distributed.CAPTURE)
-        dist.broadcast_object_list([(mode, token_buckets)], src=0)
+        with self.guard():
+            self.wire.send(distributed.CAPTURE)
+            dist.broadcast_object_list([(mode, token_buckets)], src=0)
 
     def send_slot(self, manager: Any, slot: int, shares: list[Any]) -> None:
         """Rank 0's slot writer: rank ``r`` gets ``shares[r]`` (an adapter image of its
         slot layout: :meth:`LoRAManager._write_shares`) in ``slot``, by one scatter."""
         assert self.wire is not None
-        self.wire.send(distributed.SLOT, slot, shares[0].rank)
         target = manager.slots.pool[slot]
         parts = []
         for share in shares:
             part = torch.zeros_like(target)
             share.write(part)
             parts.append(part)
-        dist.scatter(target, parts, src=0)
+        with self.guard():
+            self.wire.send(distributed.SLOT, slot, shares[0].rank)
+            dist.scatter(target, parts, src=0)
 
     # ---- a worker -------------------------------------------------------------------------
     def serve(self, pipeline: Any) -> None:

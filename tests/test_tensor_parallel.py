@@ -136,6 +136,8 @@ def test_size_2_equals_size_1(models, kind):
             # a KV cache of 16 pages of 4 for 8 running requests: some are preempted and
             # recomputed
             two.close()  # (one process group a process)
+            with pytest.raises(RuntimeError, match="pipeline was closed"):
+                _prefill_logits(two, [None])  # (its model is rank 0's shard alone now)
             two = _pipeline(base, adapters, 2, kv_cache_tokens=64, page_size=4)
         got, engine = _generate(two, mixed)
         assert got == expected
@@ -176,13 +178,17 @@ def test_cli_generate_tensor_parallel_2_prints_the_same_file(models, tmp_path):
     assert len(outputs[0].splitlines()) == 6 and '"error"' not in outputs[0]
 
 
-def test_refusals_name_the_cause(models, capsys):
+def test_refusals_name_the_cause(models, capsys, monkeypatch):
     base, adapters = models("llama3")
     # 4 query heads do not split over 3 ranks; an architecture that does not shard
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         _pipeline(base, {}, 3)
     assert main(["generate", "--model", str(base), "--prompt", "1", "-tp", "0"]) == 2
     assert "--tensor-parallel-size must be at least 1" in capsys.readouterr().err
+    # torchrun's processes without the flag would each run the whole job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["generate", "--model", str(base), "--prompt", "1"]) == 2
+    assert "give --tensor-parallel-size 2" in capsys.readouterr().err
 
 
 def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
