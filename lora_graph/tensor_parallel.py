@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from lora_graph import distributed
-from lora_graph.parallel import TPRank
 from lora_graph.step import ModelInputs
 
 
@@ -178,4 +177,4 @@ class RankLink:
         distributed.close_tensor_parallel()
 
 
-__all__ = ["RankLink", "TPRank"]
+__all__ = ["RankLink"]
