@@ -339,6 +339,12 @@ def main() -> None:
         help="serve every pipeline over this many ranks (tensor parallelism; 1: the "
         "distributed path on one GPU, an NCCL group of one rank; default: no group)",
     )
+    parser.add_argument(
+        "--vocab-parallel-lm-head",
+        action="store_true",
+        help="with --tensor-parallel-size: the LM head split by vocabulary, its logits "
+        "gathered (default: whole on every rank)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -394,6 +400,7 @@ def main() -> None:
         max_num_batched_tokens=max(max_batch, 16),
         weights=weights,
         tensor_parallel_size=args.tensor_parallel_size,
+        vocab_parallel_lm_head=args.vocab_parallel_lm_head,
     )
     results: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -408,6 +415,7 @@ def main() -> None:
         "side_stream": not args.no_side_stream,
         "variants": args.variants,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "vocab_parallel_lm_head": args.vocab_parallel_lm_head,
         "rows": [],
     }
 

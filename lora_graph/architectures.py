@@ -46,6 +46,7 @@ class LlamaPipeline(PipelineModelWithKVCache):
             max_seq_len=self.max_seq_len,
             dtype=self.dtype,
             tp=self.tp,
+            vocab_parallel_head=self.vocab_parallel_lm_head,
         )
 
     def _check_shards(self, tp: TPRank) -> None:

@@ -104,6 +104,26 @@ def tp_all_reduce(x: Tensor) -> Tensor:
     return x
 
 
+@torch.library.custom_op("lora_graph::tp_all_gather", mutates_args=())
+def tp_all_gather(x: Tensor) -> Tensor:
+    """``x`` ``[..., n]`` of every rank side by side along the last dim, ``[..., size * n]``
+    in rank order (a vocabulary-parallel LM head's logits); a copy without a group."""
+    if _RANK is None:
+        return x.clone()
+    shape = x.shape
+    x = x.contiguous().view(-1, x.shape[-1])  # [rows, n]
+    out = x.new_empty((_RANK.size * x.shape[0], x.shape[1]))  # every rank's, stacked
+    dist.all_gather_into_tensor(out, x)
+    gathered = out.view(_RANK.size, *x.shape).movedim(0, 1).reshape(x.shape[0], -1)
+    return gathered.view(*shape[:-1], _RANK.size * shape[-1])
+
+
+@tp_all_gather.register_fake
+def _(x: Tensor) -> Tensor:
+    size = _RANK.size if _RANK is not None else 1
+    return x.new_empty((*x.shape[:-1], size * x.shape[-1]))
+
+
 def agree_min(values: Sequence[int], device: torch.device) -> list[int]:
     """Each of ``values``' minimum over the ranks (sizes every rank must share, as the KV
     cache's pages: rank 0 hands out page numbers for all); the values themselves without
@@ -116,7 +136,7 @@ def agree_min(values: Sequence[int], device: torch.device) -> list[int]:
 
 
 # ---- the runner's processes and wire -------------------------------------------------
-STEP, SLOT, CAPTURE, STOP = 1, 2, 3, 4  # a wire header's command
+STEP, SLOT, CAPTURE, STOP, LOGITS_AT = 1, 2, 3, 4, 5  # a wire header's command
 HEADER = 8  # ints of the header
 
 
@@ -176,7 +196,7 @@ class Workers:
     def _stop_for(self, sentinel: Any) -> None:
         rank = next(r for r, p in enumerate(self.processes, start=1) if p.sentinel == sentinel)
         process = self.processes[rank - 1]
-        process.join(timeout=1)
+        process.join(timeout=5)
         print(
             f"\nlora_graph: tensor-parallel worker rank {rank} (pid {process.pid}) exited with "
             f"code {process.exitcode}; stopping rank 0 (its collectives would wait for it "
@@ -297,6 +317,7 @@ __all__ = [
     "start_workers",
     "tensor_parallel",
     "torchrun_assignment",
+    "tp_all_gather",
     "tp_all_reduce",
     "worker_assignment",
 ]

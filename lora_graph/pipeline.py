@@ -78,6 +78,10 @@ class PipelineModel(abc.ABC):
             share of the checkpoint and of every adapter. None: no process group (1 runs
             the distributed path on one rank). Only architectures with
             :attr:`supports_tensor_parallel`.
+        vocab_parallel_lm_head: under tensor parallelism, split the LM head by vocabulary
+            (each rank its rows, the logits gathered: an all-gather a step) instead of
+            keeping it whole on every rank (the default: no collective after the head, but
+            every rank reads all of it). Its LoRA B rows split with it.
 
     Raises:
         FileNotFoundError, ValueError: for a model that cannot be found or is not supported
@@ -105,6 +109,7 @@ class PipelineModel(abc.ABC):
         lora: LoRAConfig | None = None,
         weights: dict[str, Tensor] | None = None,
         tensor_parallel_size: int | None = None,
+        vocab_parallel_lm_head: bool = False,
     ) -> None:
         from transformers import AutoConfig
 
@@ -158,6 +163,7 @@ class PipelineModel(abc.ABC):
         # tensor parallelism: this process's rank and its link to the others (None: none)
         self.tp: TPRank | None = None
         self.link: RankLink | None = None
+        self.vocab_parallel_lm_head = vocab_parallel_lm_head
         self._closed = False  # a tensor-parallel pipeline after close(): its shards are gone
         if distributed.worker_assignment() is not None or tensor_parallel_size is not None:
             size = tensor_parallel_size or 1
@@ -170,7 +176,8 @@ class PipelineModel(abc.ABC):
                     max_seq_len=None if self.max_seq_len_from_model else max_seq_len,
                     max_num_batched_tokens=max_num_batched_tokens,
                     gpu_memory_utilization=gpu_memory_utilization, lora=lora, weights=weights,
-                    tensor_parallel_size=size, **getattr(self, "_init_kwargs", {}),
+                    tensor_parallel_size=size, vocab_parallel_lm_head=vocab_parallel_lm_head,
+                    **getattr(self, "_init_kwargs", {}),
                 )),
             )  # fmt: skip
             self.device, self.tp = self.link.device, self.link.tp
@@ -249,7 +256,7 @@ class PipelineModel(abc.ABC):
         per-segment target (the LM head) is replicated (``parallel="none"``), as the model
         keeps its LM head whole on every rank."""
         targets = self.lora_targets()
-        if self.tp is None:
+        if self.tp is None or self.vocab_parallel_lm_head:
             return targets
         return {
             name: replace(t, parallel="none") if t.per_segment else t for name, t in targets.items()
@@ -400,8 +407,11 @@ class PipelineModel(abc.ABC):
             if select is not None:
                 whole = self._weights or read_checkpoint(self.model_dir)
             for head, embedding in ties.items():
-                if f"{head}.weight" not in checkpoint:
-                    checkpoint[f"{head}.weight"] = whole[f"{embedding}.weight"]
+                if f"{head}.weight" in checkpoint:
+                    continue
+                # (a vocabulary-parallel head holds the same rows as this rank's embedding)
+                source = checkpoint if self.vocab_parallel_lm_head else whole
+                checkpoint[f"{head}.weight"] = source[f"{embedding}.weight"]
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         try:
             missing, unexpected = root.load_state_dict(state, strict=False)
@@ -568,7 +578,6 @@ class PipelineModel(abc.ABC):
         if hidden is None:
             raise ValueError("this model keeps no per-token hidden states")
         index = torch.tensor(list(rows), dtype=torch.long)
-        x = hidden[index.to(hidden.device, non_blocking=True)]
         routing = None
         if inputs.routing is not None and self.manager is not None:
             # each chunk's rows among ``rows``: a routing by token over them alone
@@ -581,7 +590,19 @@ class PipelineModel(abc.ABC):
                 counts[k] += 1
             offsets = [0, *itertools.accumulate(counts)]
             routing = self.manager.route(inputs.chunks, offsets)
+        if self.link is not None and self.link.sends and self.vocab_parallel_lm_head:
+            # every rank's head computes its vocabulary range of these rows
+            self.link.send_logits_at(index, routing is not None)
+            with self.link.guard():
+                return self.head_logits(index, routing)
+        return self.head_logits(index, routing)
+
+    def head_logits(self, index: Tensor, routing: Routing | None) -> Tensor:
+        """Float32 logits of the step's tokens ``index`` (``[R]`` int64, host or device)
+        from the last step's hidden states, through the final norm and the LM head
+        (:meth:`logits_at`'s computation, which a worker rank repeats)."""
         model = cast(Any, self.model)
+        x = model.step_hidden[index.to(model.step_hidden.device, non_blocking=True)]
         return cast(Tensor, model.final_logits(model.lm_head(model.norm(x)[None], routing)[0]))
 
     def _execute_eager(self, inputs: ModelInputs) -> Tensor:

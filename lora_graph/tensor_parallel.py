@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lora_graph import distributed
 from lora_graph.step import ModelInputs
@@ -135,6 +136,16 @@ class RankLink:
             self.wire.send(distributed.SLOT, slot, shares[0].rank)
             dist.scatter(target, parts, src=0)
 
+    def send_logits_at(self, index: Tensor, lora: bool) -> None:
+        """Rank 0: the rows ``index`` (``[R]`` int64) of the last step whose logits it
+        computes (a vocabulary-parallel LM head needs every rank), with the routing."""
+        assert self.wire is not None
+        with self.guard():
+            self.wire.send(
+                distributed.LOGITS_AT, index.numel(), int(lora), carry=(1,) if lora else ()
+            )
+            dist.broadcast(index.to(self.device), src=0)
+
     # ---- a worker -------------------------------------------------------------------------
     def serve(self, pipeline: Any) -> None:
         """A worker rank's loop: run each command rank 0 sends (a step, a slot write, a
@@ -159,6 +170,13 @@ class RankLink:
                 dist.broadcast_object_list(spec, src=0)
                 mode, buckets = spec[0]
                 pipeline.enable_compile(mode, token_buckets=buckets, progress=False)
+            elif command == distributed.LOGITS_AT:
+                n, lora = args[:2]
+                wire.unpack((1,) if lora else ())
+                index = torch.empty(n, dtype=torch.long, device=self.device)
+                dist.broadcast(index, src=0)
+                with torch.inference_mode():
+                    pipeline.head_logits(index, pipeline.routing_buffer if lora else None)
             elif command == distributed.STOP:
                 return
             else:

@@ -264,3 +264,36 @@ def test_size_2_captured_by_inductor_equals_size_1(models):
         tokens[size] = [o.token_ids for o in outs]
         pipe.close()
     assert tokens[2] == tokens[None]
+
+
+def test_vocab_parallel_lm_head_equals_size_1(models):
+    """``vocab_parallel_lm_head``: each rank holds its vocabulary rows of the (tied) LM head
+    and of its LoRA B, the logits gathered; greedy tokens, their logprobs and prompt
+    logprobs (the head over chosen rows: every rank runs it) equal the plain pipeline's."""
+    base, adapters = models("tied")
+    runs = {}
+    for size in (None, 2):
+        pipe = _pipeline(base, {n: adapters[n] for n in ("EMB", "A", "D")}, size,
+                         vocab_parallel_lm_head=True)  # fmt: skip
+        if size:
+            assert pipe.model.lm_head.base.weight.shape[0] == 64  # its half of the vocabulary
+        engine = LLMEngine(pipe, eos_token_ids=())
+        names = ["EMB", None, "A", "D", "EMB", None]
+        outs = engine.generate([
+            Request(f"r{i}", ids, name,
+                    SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=1))
+            for i, (ids, name) in enumerate(zip(prompts(len(names), seed=12), names,
+                                                strict=True))
+        ])  # fmt: skip
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        runs[size] = outs
+        pipe.close()
+    for one, two in zip(runs[None], runs[2], strict=True):
+        assert two.token_ids == one.token_ids
+        got = [lp.logprob for lp in two.logprobs] + [
+            lp.logprob for lp in two.prompt_logprobs if lp is not None
+        ]
+        want = [lp.logprob for lp in one.logprobs] + [
+            lp.logprob for lp in one.prompt_logprobs if lp is not None
+        ]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)

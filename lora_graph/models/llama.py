@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from lora_graph.distributed import tp_all_reduce
+from lora_graph.distributed import tp_all_gather, tp_all_reduce
 from lora_graph.layers import Embedding, Linear
 from lora_graph.models.blocks import (
     AttentionMetadata,
@@ -221,6 +221,8 @@ class LlamaModel(nn.Module):
             the embedding holds its vocabulary range (vocabulary-parallel: a token outside
             it embeds as zeros, then summed); the LM head is whole on every rank
             (replicated, untied).
+        vocab_parallel_head: under ``tp``, the LM head holds this rank's vocabulary rows
+            instead, the logits gathered from every rank (:meth:`final_logits`).
 
     Raises:
         ValueError: if the heads, the MLP or the vocabulary do not split over ``tp``.
@@ -228,10 +230,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int,
                  max_seq_len: int, dtype: torch.dtype,
-                 tp: TPRank | None = None) -> None:  # fmt: skip
+                 tp: TPRank | None = None, vocab_parallel_head: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.tp = tp
+        self.vocab_parallel_head = tp is not None and vocab_parallel_head
         local = config if tp is None else shard_config(config, tp)
         vocab = config.vocab_size if tp is None else config.vocab_size // tp.size
         self.vocab_start, self.vocab_local = (0 if tp is None else tp.rank * vocab), vocab
@@ -249,7 +252,8 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.make_norm(config.hidden_size)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_rows = vocab if self.vocab_parallel_head else config.vocab_size
+        self.lm_head = Linear(config.hidden_size, head_rows, bias=False)
         if config.tie_word_embeddings and tp is None:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(config, max_seq_len)
@@ -273,7 +277,10 @@ class LlamaModel(nn.Module):
         return tp_all_reduce(torch.where(inside[:, None], x, 0))
 
     def final_logits(self, logits: Tensor) -> Tensor:
-        """The LM head's output to the returned float32 logits."""
+        """The LM head's output to the returned float32 logits (a vocabulary-parallel
+        head's: every rank's vocabulary range gathered first)."""
+        if self.vocab_parallel_head:
+            logits = tp_all_gather(logits)
         return logits.float()
 
     def forward(
