@@ -146,6 +146,12 @@ def parse_args() -> argparse.Namespace:
         help="also serve each engine's workload with the prefix cache off",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="serve over this many ranks (tensor parallelism; default: one device, no group)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--json", default="bench/out/serve.json")
     args = p.parse_args()
@@ -448,6 +454,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         weights=weights,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     results: dict = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -492,6 +499,7 @@ def main() -> None:
             m["capture_s"] = capture
             results["runs"][f"{label} (sync)"] = m
             print(f"{label} (sync): {summary(m)}", flush=True)
+        pipe.close()  # (a tensor-parallel group: one a process)
         del engine, pipe
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -201,3 +201,17 @@ def test_decode_variant_specs_refused_with_their_cause(spec, message):
         "v",
         {"ranks": "8/16", "slot_ranks": "0"},
     )
+
+
+@pytest.mark.parametrize(
+    ("script", "extra"),
+    [("decode.py", ["--vocab-parallel-lm-head"]), ("serve.py", [])],
+)
+def test_benchmarks_at_tensor_parallel_2(script, extra, tmp_path):
+    """The benchmarks #31 runs on several GPUs, at 2 ranks over gloo (the tables print)."""
+    args = ["--smoke", "--json", str(tmp_path / "out.json"), "--tensor-parallel-size", "2"]
+    if script == "decode.py":
+        args += ["--skip-peft"]
+    proc = run_bench(script, [*args, *extra], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert "| lora |" in proc.stdout or "| default |" in proc.stdout
