@@ -72,6 +72,14 @@ def tensor_parallel() -> TPRank | None:
 _CLOSE: list[Any] = []  # rank 0: the running pipeline's close (one group a process)
 
 
+def on_close(close: Any) -> None:
+    """Rank 0: have :func:`shutdown` (the command line's end, and this process's exit) call
+    ``close``, the running pipeline's."""
+    if not _CLOSE:
+        atexit.register(shutdown)  # (after each Workers' own: so it runs first, sends STOP)
+    _CLOSE.append(close)
+
+
 def shutdown() -> None:
     """Stop this process's tensor-parallel pipeline, its workers and its group, if any
     (the command line does at the end of every command; also done at exit)."""

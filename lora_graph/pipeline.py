@@ -182,7 +182,7 @@ class PipelineModel(abc.ABC):
             )  # fmt: skip
             self.device, self.tp = self.link.device, self.link.tp
             if self.tp.rank == 0:
-                distributed._CLOSE.append(self.close)
+                distributed.on_close(self.close)
             self.max_seq_len_note += f", tensor parallel size {size}"
         self._plan_memory(lora)
         self.manager: LoRAManager | None = None
