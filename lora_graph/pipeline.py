@@ -16,7 +16,6 @@ import abc
 import itertools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -33,11 +32,11 @@ from lora_graph.loading.model_files import (
 )
 from lora_graph.manager import LoRAManager
 from lora_graph.paging import PagePool
-from lora_graph.parallel import TPRank, checkpoint_share
+from lora_graph.parallel import TPRank
 from lora_graph.routing import Routing
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
-from lora_graph.tensor_parallel import RankLink
+from lora_graph.tensor_parallel import RankLink, checkpoint_shares, served_targets
 
 if TYPE_CHECKING:
     from lora_graph.compile.cache import GraphCache
@@ -252,34 +251,8 @@ class PipelineModel(abc.ABC):
         """Raise ValueError if the model's sizes do not split over ``tp.size`` ranks."""
 
     def _served_targets(self) -> dict[str, LoraTarget]:
-        """The LoRA targets as served: the declared table; under tensor parallelism a
-        per-segment target (the LM head) is replicated (``parallel="none"``), as the model
-        keeps its LM head whole on every rank."""
-        targets = self.lora_targets()
-        if self.tp is None or self.vocab_parallel_lm_head:
-            return targets
-        return {
-            name: replace(t, parallel="none") if t.per_segment else t for name, t in targets.items()
-        }
-
-    def _checkpoint_select(self) -> Select | None:
-        """Which part of each checkpoint tensor this rank reads (None: all): a target's
-        module by its parallel mode (:func:`lora_graph.parallel.checkpoint_share`), every
-        other tensor (norms, a replicated LM head) whole."""
-        if self.tp is None or self.tp.size == 1:
-            return None
-        tp, targets = self.tp, self._served_targets()
-        lookup = module_map(targets, self.num_layers)
-
-        def select(name: str, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
-            module, _, param = name.rpartition(".")
-            ref = lookup(module)
-            if ref is None:
-                return [tuple(slice(None) for _ in shape)]
-            t = targets[ref.target]
-            return checkpoint_share(t, t.module_slices(ref.shard_id), param, shape, tp)
-
-        return select
+        """The LoRA targets as served (:func:`lora_graph.tensor_parallel.served_targets`)."""
+        return served_targets(self.lora_targets(), self.tp, self.vocab_parallel_lm_head)
 
     def serve_worker(self) -> None:
         """A worker rank's loop: run each command rank 0 sends until it says stop
@@ -395,23 +368,18 @@ class PipelineModel(abc.ABC):
         if self.manager is not None:
             root = self.manager.wrap(module)
             adapter = self.manager.lora_weight_adapter(self.weights_adapter)
-        select = self._checkpoint_select()
-        if self._weights is not None:
-            checkpoint = self._weights if select is None else select_state(self._weights, select)
-        else:
-            checkpoint = read_checkpoint(self.model_dir, select)
-        ties = self.lora_tied_modules() if self.tp is not None else {}
-        if ties:
-            # the LM head stays whole and untied on every rank: it reads the whole table
-            whole = checkpoint
-            if select is not None:
-                whole = self._weights or read_checkpoint(self.model_dir)
-            for head, embedding in ties.items():
-                if f"{head}.weight" in checkpoint:
-                    continue
-                # (a vocabulary-parallel head holds the same rows as this rank's embedding)
-                source = checkpoint if self.vocab_parallel_lm_head else whole
-                checkpoint[f"{head}.weight"] = source[f"{embedding}.weight"]
+
+        def read(select: Select | None) -> dict[str, Tensor]:
+            if self._weights is None:
+                return read_checkpoint(self.model_dir, select)
+            return self._weights if select is None else select_state(self._weights, select)
+
+        if self.tp is None:
+            checkpoint = read(None)
+        else:  # this rank's shares; the LM head untied
+            checkpoint = checkpoint_shares(
+                read, self._served_targets(), self.num_layers, self.tp, self.lora_tied_modules()
+            )
         state = {k: v.to(self.device, self.dtype) for k, v in adapter(checkpoint).items()}
         try:
             missing, unexpected = root.load_state_dict(state, strict=False)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,71 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lora_graph import distributed
+from lora_graph.loading.model_files import Select, select_state
+from lora_graph.parallel import TPRank, checkpoint_share
 from lora_graph.step import ModelInputs
+from lora_graph.targets import LoraTarget, module_map
+
+
+def served_targets(
+    targets: dict[str, LoraTarget], tp: TPRank | None, vocab_parallel_lm_head: bool
+) -> dict[str, LoraTarget]:
+    """The LoRA targets as served: the declared table; under tensor parallelism with the
+    LM head whole on every rank, a per-segment target (the LM head) replicated
+    (``parallel="none"``)."""
+    if tp is None or vocab_parallel_lm_head:
+        return targets
+    return {
+        name: replace(t, parallel="none") if t.per_segment else t for name, t in targets.items()
+    }
+
+
+def checkpoint_shares(
+    read: Callable[[Select | None], dict[str, Tensor]],
+    targets: dict[str, LoraTarget],
+    num_layers: int,
+    tp: TPRank,
+    ties: dict[str, str],
+) -> dict[str, Tensor]:
+    """The checkpoint as rank ``tp`` holds it, read through ``read(select)``
+    (:func:`lora_graph.loading.model_files.read_checkpoint`'s ``select``): a target's
+    module its share by the target's parallel mode (:func:`lora_graph.parallel.
+    checkpoint_share`; ``targets`` as served, :func:`served_targets`), every other tensor
+    whole. The model's LM head is untied under tensor parallelism: a checkpoint that ties
+    it to the embedding (``ties``, head module to embedding module) gives the head the
+    embedding's rows its target holds (whole, or this rank's vocabulary range); a whole
+    head's embedding is read whole once, then cut."""
+    lookup = module_map(targets, num_layers)
+    whole_heads = {h for h in ties if targets[_target_of(lookup, h)].parallel == "none"}
+    read_whole = {f"{ties[h]}.weight" for h in whole_heads}
+
+    def share(name: str, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
+        module, _, param = name.rpartition(".")
+        ref = lookup(module)
+        if ref is None:
+            return [tuple(slice(None) for _ in shape)]
+        t = targets[ref.target]
+        return checkpoint_share(t, t.module_slices(ref.shard_id), param, shape, tp)
+
+    def select(name: str, shape: tuple[int, ...]) -> list[tuple[slice, ...]] | None:
+        return [tuple(slice(None) for _ in shape)] if name in read_whole else share(name, shape)
+
+    state = dict(read(select if tp.size > 1 else None))
+    for head, embedding in ties.items():
+        if f"{head}.weight" in state:
+            continue
+        table = state[f"{embedding}.weight"]
+        state[f"{head}.weight"] = table  # (a vocabulary-parallel head: the same rows)
+        if head in whole_heads and tp.size > 1:  # (read whole for the head: now its share)
+            name = f"{embedding}.weight"
+            state[name] = select_state({name: table}, share)[name]
+    return state
+
+
+def _target_of(lookup: Callable[[str], Any], module: str) -> str:
+    ref = lookup(module)
+    assert ref is not None, module
+    return str(ref.target)
 
 
 class RankLink:
