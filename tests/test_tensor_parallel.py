@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ADAPTERS, make_hf_model, make_peft_adapter, prompts
+from conftest import ADAPTERS, PeftReference, Tiny, make_hf_model, make_peft_adapter, prompts
 
 from lora_graph import LoRAConfig
 from lora_graph.architectures import pipeline_class
@@ -104,7 +104,7 @@ def _generate(pipe, names, **engine_kwargs):
     assert all(o.error is None for o in outs + again), [o.error for o in outs + again]
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert sum(cached for cached, _ in engine.prefix_cache_counts().values()) > 0
-    return [o.token_ids for o in outs], engine
+    return [o.token_ids for o in outs], engine, [(r.prompt_token_ids, r.adapter) for r in requests]
 
 
 # interleaved: base rows between adapters, an adapter twice; four adapters a step (the
@@ -131,7 +131,10 @@ def test_size_2_equals_size_1(models, kind):
         if kind == "llama3":
             return
         mixed = [*NAMES, *NAMES_B, None, "A"]
-        expected, _ = _generate(one, mixed)
+        expected, _, asked = _generate(one, mixed)
+        # the independent reference: transformers + peft, one request at a time
+        ref = PeftReference(Tiny(kind, base, adapters, 128))
+        assert expected == [ref.greedy(ids, name, 10) for ids, name in asked]
         if kind == "tied":
             # a KV cache of 16 pages of 4 for 8 running requests: some are preempted and
             # recomputed
@@ -139,7 +142,7 @@ def test_size_2_equals_size_1(models, kind):
             with pytest.raises(RuntimeError, match="pipeline was closed"):
                 _prefill_logits(two, [None])  # (its model is rank 0's shard alone now)
             two = _pipeline(base, adapters, 2, kv_cache_tokens=64, page_size=4)
-        got, engine = _generate(two, mixed)
+        got, engine, _ = _generate(two, mixed)
         assert got == expected
         assert engine.preemptions > 0 or kind != "tied"
     finally:
