@@ -76,7 +76,7 @@ def on_close(close: Any) -> None:
     """Rank 0: have :func:`shutdown` (the command line's end, and this process's exit) call
     ``close``, the running pipeline's."""
     if not _CLOSE:
-        atexit.register(shutdown)  # (after each Workers' own: so it runs first, sends STOP)
+        atexit.register(shutdown)  # (at exit the workers get STOP, not a watchdog's verdict)
     _CLOSE.append(close)
 
 
@@ -187,7 +187,6 @@ class Workers:
         self.processes = list(processes)
         self.closing = False
         threading.Thread(target=self._watch, name="lora_graph-tp-watchdog", daemon=True).start()
-        atexit.register(self.close)
 
     def _watch(self) -> None:
         ready = wait([p.sentinel for p in self.processes])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,16 +86,11 @@ def read_checkpoint(model_dir: str, select: Select | None = None) -> dict[str, T
                 return state if select is None else select_state(state, select)
             if select is None:
                 return load_file(path)
-            out = {}
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    part = f.get_slice(name)
-                    pieces = select(name, tuple(part.get_shape()))
-                    if pieces is None:
-                        out[name] = torch.zeros_like(part[:])
-                    else:
-                        out[name] = torch.cat([part[index] for index in pieces])
-            return out
+                return {
+                    name: _take(part, select(name, tuple(part.get_shape())))
+                    for name, part in ((n, f.get_slice(n)) for n in f.keys())  # noqa: SIM118
+                }
         except (
             Exception
         ) as e:  # safetensors and torch.load raise many kinds; the cause goes into the message
@@ -128,12 +124,12 @@ def read_checkpoint(model_dir: str, select: Select | None = None) -> dict[str, T
 
 def select_state(state: dict[str, Tensor], select: Select) -> dict[str, Tensor]:
     """The parts of an in-memory state dict ``select`` names (as :func:`read_checkpoint`)."""
-    out = {}
-    for name, tensor in state.items():
-        pieces = select(name, tuple(tensor.shape))
-        out[name] = (
-            torch.zeros_like(tensor)
-            if pieces is None
-            else torch.cat([tensor[index] for index in pieces])
-        )
-    return out
+    return {name: _take(t, select(name, tuple(t.shape))) for name, t in state.items()}
+
+
+def _take(tensor: Any, pieces: list[tuple[slice, ...]] | None) -> Tensor:
+    """The ``pieces`` of a tensor (or of a safetensors slice, read piece by piece),
+    concatenated along dim 0; None: zeros of its shape."""
+    if pieces is None:
+        return torch.zeros_like(tensor[:])
+    return torch.cat([tensor[index] for index in pieces])
