@@ -23,6 +23,8 @@ pipeline each, captured with the variant's kernel policy), e.g.
                        expand/SwiGLU)
     ranks=R1/R2/...    the adapters' ranks, cycled over the 16 (pool max_rank: the largest)
     slot_ranks=0|1     the kernels told each slot's rank (1) or reading every slot to max_rank
+    reduce_apart=0|1   KernelPolicy.reduce_delta_apart (tensor parallel: a row-parallel
+                       layer's delta all-reduced beside its output, or added before)
 
 (The switches of experiments since removed from the library, ``overwrite``,
 ``fused_delta``, ``k_steps``, ``rope_kv`` and ``rank_loop``, are in ``bench/RESULTS.md``
@@ -229,7 +231,7 @@ def time_peft_step(
     return statistics.median(times)
 
 
-VARIANT_SWITCHES = ("fused_silu", "ranks", "slot_ranks")
+VARIANT_SWITCHES = ("fused_silu", "ranks", "slot_ranks", "reduce_apart")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -266,6 +268,7 @@ def variant_policy(switches: dict[str, str], no_side_stream: bool) -> KernelPoli
     return KernelPolicy(
         side_stream_max_rows=0 if no_side_stream else KernelPolicy().side_stream_max_rows,
         fused_silu_decode=switches.get("fused_silu", "1") == "1",
+        reduce_delta_apart=switches.get("reduce_apart", "1") == "1",
     )
 
 

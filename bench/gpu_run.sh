@@ -39,7 +39,8 @@
 #                                   multi-turn chat workload (the cached share of prompt tokens)
 #   bash bench/gpu_run.sh tp1       tensor parallelism at size 1 (an NCCL group of one rank, in the captured graphs):
 #                                   its GPU test, then bench/decode.py without a group and at
-#                                   --tensor-parallel-size 1, twice each, alternating
+#                                   --tensor-parallel-size 1 (also the variant adding a row layer's delta
+#                                   before its all-reduce), twice each, alternating
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -112,9 +113,10 @@ for stage in "$@"; do
       python3 bench/serve.py --workload chat --output-len 64 --compare-prefix-caching --skip-base --peft-requests 0 \
         --json "$OUT/serve_chat.json" 2>&1 | tee "$OUT/serve_chat.log" | grep -v Warning | tail -8 ;;
     tp1)  # tensor parallelism's distributed path at size 1 (NCCL, one rank) against the plain step
-      python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tee "$OUT/gpu_tp.log" | grep -E "bit for bit|passed|failed|Error" | tail -8
+      python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_triton_ops.py \
+        -k "tensor_parallel or nccl or side_stream_delta_in_a_graph" 2>&1 | tee "$OUT/gpu_tp.log" | grep -E "bit for bit|passed|failed|Error" | tail -8
       for tp in none 1 none 1; do
-        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp")
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants "add:reduce_apart=0")
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp_$tp.json" 2>&1 \
           | tee -a "$OUT/decode_tp_$tp.log" | grep -vi warn | tail -16
       done ;;

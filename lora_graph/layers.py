@@ -15,6 +15,7 @@ from typing import cast
 from torch import Tensor, nn
 
 from lora_graph import ops
+from lora_graph.distributed import tp_all_reduce
 from lora_graph.routing import Routing
 from lora_graph.targets import LoraTarget
 
@@ -31,6 +32,11 @@ class Linear(nn.Linear):
         Transformer"): ``silu(g) * u`` where ``[g | u] = self(x)`` splits the output in two
         halves. ``[..., in]`` -> ``[..., out / 2]``."""
         return ops.silu_and_mul(self(x, routing))
+
+    def reduced(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        """A row-parallel layer's output: ``self(x)`` summed over the tensor-parallel ranks
+        (:func:`lora_graph.distributed.tp_all_reduce`)."""
+        return tp_all_reduce(self(x, routing))
 
 
 class Embedding(nn.Embedding):
@@ -118,6 +124,20 @@ class LoRALinear(_LoRALayer):
         if routing is None:
             return ops.silu_and_mul(self.base(x))
         return self._kernels.silu_and_mul(self, x, routing)
+
+    def reduced(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        """A row-parallel layer's output with LoRA: ``self(x)`` summed over the
+        tensor-parallel ranks. Where the backend stacks the base output and the side-stream
+        delta (:meth:`lora_graph.ops.Kernels.linear_stacked`), one all-reduce sums both and
+        the add comes after it (fused by a compiler into the residual add); otherwise the
+        delta joins the partial output before the all-reduce. Either way LoRA adds no
+        collective of its own (:mod:`lora_graph.parallel`)."""
+        if routing is not None:
+            stacked = self._kernels.linear_stacked(self, x, routing)
+            if stacked is not None:
+                tp_all_reduce(stacked)
+                return stacked[0] + stacked[1]
+        return tp_all_reduce(self(x, routing))
 
 
 class LoRAEmbedding(_LoRALayer):

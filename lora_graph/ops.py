@@ -26,6 +26,9 @@ follows its adapters' ranks rather than ``R``. The result is the same without it
   ``-> (y, buf)``: the base linear and the float32 delta of shrink + expand
   (``buf[:N*out]``), on CUDA with the delta on a side stream overlapping the base GEMM
   (decode).
+- ``lora_graph::lora_linear_delta_stacked(...) -> [2, N, out]``: the same, ``y`` and ``d``
+  stacked in ``x``'s dtype (a row-parallel layer under tensor parallelism: one all-reduce
+  sums both, and the add after it fuses into the next pointwise op).
 - ``lora_graph::lora_linear_shrink(x, weight, bias, a, num_slices, *routing) -> (y, h)``: the
   base linear and the shrink, on CUDA with the shrink on a side stream beside the GEMM
   (a gated MLP's gate/up at decode: :func:`lora_expand_silu_mul` then expands and applies
@@ -201,6 +204,41 @@ def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, 
     )
 
 
+@torch.library.custom_op("lora_graph::lora_linear_delta_stacked", mutates_args=())
+def lora_linear_delta_stacked(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    a: Tensor,
+    b: Tensor,
+    num_slices: int,
+    out_slices: list[int],
+    lora_ids: Tensor,
+    grouped_offsets: Tensor,
+    end: Tensor,
+    ranks: Tensor | None = None,
+) -> Tensor:
+    """:func:`lora_linear_delta` with ``y`` and ``d`` stacked, ``[2, N, sum(out_slices)]``,
+    both in ``x``'s dtype: a row-parallel layer's partial output and delta, which one
+    all-reduce then sums over the ranks before the add (:meth:`Kernels.linear_stacked`)."""
+    return reference.linear_delta_stacked(
+        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end
+    )
+
+
+@lora_linear_delta_stacked.register_kernel("cuda")
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=None):
+    impl = _triton() or reference
+    return impl.linear_delta_stacked(
+        x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=ranks
+    )
+
+
+@lora_linear_delta_stacked.register_fake
+def _(x, weight, bias, a, b, num_slices, out_slices, lora_ids, grouped_offsets, end, ranks=None):
+    return x.new_empty((2, x.shape[0], weight.shape[0]))
+
+
 @torch.library.custom_op("lora_graph::lora_linear_shrink", mutates_args=())
 def lora_linear_shrink(
     x: Tensor,
@@ -276,7 +314,8 @@ class Kernels:
     kernel would gain nothing: the CPU); ``linear_shrink`` None where a gated MLP's decode
     does not shrink beside its GEMM; ``delta_`` (shrink + expand in one launch,
     ``delta_(y, x, a, b, out_slices, *routing, ranks=, plans=)``; no op: never traced) None
-    where eager decode calls shrink and expand; ``direct`` the same implementations without
+    where eager decode calls shrink and expand; ``linear_delta_stacked`` None where
+    ``linear_delta`` is; ``direct`` the same implementations without
     the op dispatch, for eager calls (None: these are)."""
 
     shrink: Callable[..., Tensor]
@@ -286,6 +325,7 @@ class Kernels:
     expand_silu_mul: Callable[..., Tensor] | None = None
     linear_shrink: Callable[..., tuple[Tensor, Tensor]] | None = None
     delta_: Callable[..., None] | None = None
+    linear_delta_stacked: Callable[..., Tensor] | None = None
     direct: Kernels | None = None
     policy: KernelPolicy = field(default_factory=KernelPolicy)
 
@@ -325,6 +365,28 @@ class Kernels:
         h = k.shrink(x2, layer.a, layer.num_slices, *route, ranks=layer.ranks)
         k.expand(y.view(-1, y.shape[-1]), h, layer.b, layer.out_slices, *route, ranks=layer.ranks)
         return y
+
+    def linear_stacked(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor | None:
+        """Where :meth:`linear` takes the side-stream delta (and the policy's
+        ``reduce_delta_apart``): ``[2, ..., out_features]``, the base linear and the delta
+        stacked in ``x``'s dtype, their sum :meth:`linear`'s result (up to the delta's
+        rounding) -- a row-parallel layer all-reduces both in one collective and adds after
+        it, where the add fuses into the residual add. None elsewhere."""
+        x2 = x.reshape(-1, x.shape[-1])
+        k = self.now()
+        if (
+            k.linear_delta_stacked is None
+            or not self.policy.reduce_delta_apart
+            or layer.per_segment
+            or x2.shape[0] > self.policy.side_stream_max_rows
+            or not in_graph(x2)
+        ):
+            return None
+        out = k.linear_delta_stacked(
+            x2, layer.base.weight, layer.base.bias, layer.a, layer.b, layer.num_slices,
+            layer.out_slices, *routing.tokens, ranks=layer.ranks,
+        )  # fmt: skip
+        return out.view(2, *x.shape[:-1], out.shape[-1])
 
     def silu_and_mul(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
         """``silu_and_mul(layer(x))`` with LoRA. With ``expand_silu_mul`` and a two-slice
@@ -419,6 +481,7 @@ def kernels(backend: str, device: torch.device, policy: KernelPolicy | None = No
         impl.expand_silu_mul,
         impl.linear_shrink,
         impl.delta_,
+        impl.linear_delta_stacked,
         policy=policy,
     )
     if device.type == "cuda":
@@ -429,6 +492,7 @@ def kernels(backend: str, device: torch.device, policy: KernelPolicy | None = No
             lora_linear_delta,
             lora_expand_silu_mul,
             lora_linear_shrink,
+            linear_delta_stacked=lora_linear_delta_stacked,
             direct=triton_impl,
             policy=policy,
         )

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import lora_graph.ops
 from lora_graph.parallel import TPRank, column_rows, shard_lora, shard_weight, unit_rows
+from lora_graph.routing import RoutingBuffer
 from lora_graph.targets import LoraTarget
 
 HEAD = 2  # head_dim
@@ -183,15 +185,53 @@ def _row_parallel_rank(rank: int, size: int, store: str, out: str) -> None:
     step = 16 // size
     xr = x[:, rank * step : (rank + 1) * step]
     y = tp_all_reduce(xr @ shard_weight(O_PROJ, w, tp).T + xr @ ar.T @ br.T)
+    layers = _row_parallel_lora_layers(tp, shard_weight(O_PROJ, w, tp), ar, br)
+    routing = RoutingBuffer(2, torch.device("cpu")).fill([1], [0, 5], [0, 1])  # slot 1
+    lora_graph.ops.in_graph = lambda x: True  # as if captured: the side-stream delta
+    # LoRALinear.reduced: the delta stacked beside the partial output (one all-reduce of
+    # both, the add after it), and added before the all-reduce
+    got = {apart: layer.reduced(xr.float(), routing) for apart, layer in layers.items()}
     if rank == 0:
-        torch.save({"got": y, "want": x @ w.T + x @ a.double().T @ b.double().T}, out)
+        want = x @ w.T + x @ a.double().T @ b.double().T
+        torch.save({"got": y, "want": want, **{f"reduced {k}": v for k, v in got.items()}}, out)
     close_tensor_parallel()
+
+
+def _row_parallel_lora_layers(tp, w, a, b):
+    """A rank's o_proj as a LoRALinear (float32, the adapter in slot 1 of 2), on the
+    reference kernels with the side-stream ops, stacking the delta apart or not."""
+    from lora_graph.kernels import reference
+    from lora_graph.kernels.policy import KernelPolicy
+    from lora_graph.layers import LoRALinear
+    from lora_graph.ops import Kernels
+    from lora_graph.parallel import local_target
+
+    base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    base.weight.data = w.float()
+    a_stack = torch.zeros(2, *a.shape)
+    b_stack = torch.zeros(2, *b.shape)
+    a_stack[1], b_stack[1] = a, b
+    layers = {}
+    for apart in (True, False):
+        kernels = Kernels(
+            reference.shrink, reference.embedding_shrink, reference.expand_,
+            linear_delta=reference.linear_delta,
+            linear_delta_stacked=reference.linear_delta_stacked,
+            policy=KernelPolicy(reduce_delta_apart=apart),
+        )  # fmt: skip
+        layers[apart] = LoRALinear(
+            base, target=local_target(O_PROJ, tp), target_name="o_proj", layer=0, a=a_stack,
+            b=b_stack, kernels=kernels,
+        )  # fmt: skip
+    return layers
 
 
 def test_row_parallel_all_reduce_over_two_gloo_processes(tmp_path):
     """``lora_graph::tp_all_reduce`` over 2 processes (gloo, the CPU's backend): the
     row-parallel layer's partial outputs with their LoRA deltas sum to the whole layer's
-    output; without a group the op is the identity."""
+    output, by hand and through ``LoRALinear.reduced`` with the side-stream delta both
+    stacked beside the output (one all-reduce, the add after) and added before; without a
+    group the op is the identity."""
     import torch.multiprocessing as mp
 
     from lora_graph.distributed import tensor_parallel, tp_all_reduce
@@ -200,5 +240,9 @@ def test_row_parallel_all_reduce_over_two_gloo_processes(tmp_path):
     mp.spawn(_row_parallel_rank, args=(2, f"file://{tmp_path / 'store'}", str(out)), nprocs=2)
     result = torch.load(out)
     torch.testing.assert_close(result["got"], result["want"])
+    for apart in (True, False):
+        torch.testing.assert_close(
+            result[f"reduced {apart}"].double(), result["want"], rtol=1e-5, atol=1e-4
+        )
     x = torch.randn(3, 4)
     assert tensor_parallel() is None and torch.equal(tp_all_reduce(x), x)

@@ -354,6 +354,52 @@ def test_the_kernel_policy_picks_each_layer_path(monkeypatch, policy_kw, rows, w
     torch.testing.assert_close(got, ops.silu_and_mul(base(x) + d), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "policy_kw, rows, graph, per_segment, stacked",
+    [
+        ({}, 8, True, False, True),  # decode in a graph: base output and delta stacked
+        ({"reduce_delta_apart": False}, 8, True, False, False),
+        ({"side_stream_max_rows": 4}, 8, True, False, False),
+        ({}, 8, False, False, False),  # eager: the delta joins the output in place
+        ({}, 8, True, True, False),  # an LM head (routed by request) is never row-parallel
+    ],
+)
+def test_a_row_parallel_layer_stacks_its_delta_where_the_policy_says(
+    monkeypatch, policy_kw, rows, graph, per_segment, stacked
+):
+    """``Kernels.linear_stacked`` (a row-parallel layer's delta all-reduced beside its
+    output) applies exactly where :meth:`Kernels.linear` takes the side-stream delta and
+    the policy's ``reduce_delta_apart`` is on; its two halves sum to ``linear``'s result."""
+    from types import SimpleNamespace
+
+    from lora_graph import ops
+    from lora_graph.kernels import reference
+    from lora_graph.kernels.policy import KernelPolicy
+
+    kernels = ops.Kernels(
+        reference.shrink, reference.embedding_shrink, reference.expand_,
+        linear_delta=reference.linear_delta,
+        linear_delta_stacked=reference.linear_delta_stacked,
+        policy=KernelPolicy(**policy_kw),
+    )  # fmt: skip
+    monkeypatch.setattr(ops, "in_graph", lambda x: graph)
+    g = torch.Generator().manual_seed(rows)
+    layer = SimpleNamespace(
+        base=nn.Linear(16, 24), a=torch.randn(3, 4, 16, generator=g),
+        b=torch.randn(3, 24, 4, generator=g), ranks=None, num_slices=1, out_slices=[24],
+        per_segment=per_segment, plans_tokens={}, plans_segments={},
+    )  # fmt: skip
+    routing = RoutingBuffer(2, torch.device("cpu")).fill([2], [0, rows], [0, 1])  # slot 2
+    x = torch.randn(rows, 16, generator=g)
+    got = kernels.linear_stacked(layer, x, routing)
+    assert (got is not None) == stacked
+    if got is not None:
+        want = layer.base(x) + x @ layer.a[2].T @ layer.b[2].T
+        assert got.shape == (2, rows, 24)
+        torch.testing.assert_close(got[0] + got[1], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0] + got[1], kernels.linear(layer, x, routing))
+
+
 def test_a_kernel_policy_is_frozen_and_checked():
     from dataclasses import FrozenInstanceError
 
@@ -369,6 +415,8 @@ def test_a_kernel_policy_is_frozen_and_checked():
             KernelPolicy(**bad)
     with pytest.raises(ValueError, match="fused_silu_decode must be True or False, got -1"):
         KernelPolicy(fused_silu_decode=-1)
+    with pytest.raises(ValueError, match="reduce_delta_apart must be True or False, got 1"):
+        KernelPolicy(reduce_delta_apart=1)
     with pytest.raises(ValueError, match="kernel_policy must be a KernelPolicy, got 'x'"):
         LoRAConfig(kernel_policy="x")
     with pytest.raises(FrozenInstanceError):

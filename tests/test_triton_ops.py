@@ -594,8 +594,9 @@ def test_one_launch_delta_refuses_what_does_not_fit(pools):
 @interp
 def test_linear_delta_and_the_one_launch_delta(pools):
     """``linear_delta`` (the base linear, and the float32 delta of a shrink and an expand
-    that writes every row) and ``delta_`` (one ``launch_delta``) at 37 mixed rows, against
-    float64; the one launch's workspace zero after it; more than 64 rows is refused."""
+    that writes every row; ``linear_delta_stacked``: both stacked, with a bias) and
+    ``delta_`` (one ``launch_delta``) at 37 mixed rows, against float64; the one launch's
+    workspace zero after it; more than 64 rows is refused."""
     pool = pools[torch.float32]
     routing = make_routing(mixed_groups(30), pad_to=8)
     n = 37
@@ -611,6 +612,11 @@ def test_linear_delta_and_the_one_launch_delta(pools):
         assert torch.equal(y, torch.nn.functional.linear(x, w))
         d = buf[: n * t.out_features].view(n, -1)
         torch.testing.assert_close(d.double(), d64, rtol=1e-5, atol=1e-5)
+        bias = torch.randn(t.out_features, generator=g)
+        stacked = T.linear_delta_stacked(x, w, bias, a, b, t.num_slices, list(t.out_slices),
+                                         *routing)  # fmt: skip
+        torch.testing.assert_close(stacked[0], torch.nn.functional.linear(x, w, bias))
+        assert torch.equal(stacked[1], d)
         got = y0.clone()
         T.delta_(got, x, a, b, list(t.out_slices), *routing)
         torch.testing.assert_close(got.double(), y0.double() + d64, rtol=1e-5, atol=1e-5)
@@ -1186,8 +1192,9 @@ def test_gpu_cuda_graph_replay(gpu_pools):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
-    """``linear_delta`` (its shrink and expand on the side stream) captured in a CUDA graph
-    and replayed after the routing changes in place (one group, then one group a row over
+    """``linear_delta`` (its shrink and expand on the side stream) and its stacked twin
+    ``linear_delta_stacked`` captured in a CUDA graph and replayed after the routing changes
+    in place (one group, then one group a row over
     every rank 1..64, then a few with base rows), against float64; the eager ``delta_``
     (one ``launch_delta``) likewise, its workspace all zero after each."""
     torch.manual_seed(n)  # (its draws must not depend on the tests before it)
@@ -1204,9 +1211,13 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
         w = torch.randn(t.out_features, t.in_features, device=GPU).to(torch.bfloat16) * 0.02
         out: list[torch.Tensor] = []
 
-        def step(x=x, w=w, a=a, b=b, t=t, out=out):
+        bias = torch.randn(t.out_features, device=GPU).to(torch.bfloat16)
+
+        def step(x=x, w=w, a=a, b=b, t=t, out=out, bias=bias):
             out[:] = T.linear_delta(x, w, None, a, b, t.num_slices, list(t.out_slices), ids,
                                     offs, end)  # fmt: skip
+            out.append(T.linear_delta_stacked(x, w, bias, a, b, t.num_slices,
+                                              list(t.out_slices), ids, offs, end))  # fmt: skip
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -1227,6 +1238,11 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
             d = out[1][: n * t.out_features].view(n, -1)
             live = slot_of > 0
             assert not d[~live].any()
+            # the stacked twin (a row-parallel layer's): the same delta rounded to bfloat16,
+            # beside the base linear with its bias
+            assert torch.equal(out[2][1], d.to(torch.bfloat16))
+            want_y = torch.nn.functional.linear(x, w, bias)
+            torch.testing.assert_close(out[2][0], want_y, rtol=0, atol=0.02)
             if live.any():
                 assert rel_err(d[live], d64[live]) < 1e-2, (name, groups)
             assert workspace_is_zero()

@@ -87,6 +87,16 @@ def linear_delta(
     return torch.nn.functional.linear(x, weight, bias), torch.cat([d.reshape(-1), h.reshape(-1)])
 
 
+def linear_delta_stacked(
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+    out_slices: list[int], *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:  # fmt: skip
+    """Semantics: :func:`linear_delta`'s ``y`` and ``d`` stacked, ``[2, N, sum(out_slices)]``
+    in ``x``'s dtype (``d`` rounded to it)."""
+    y, buf = linear_delta(x, weight, bias, a, b, num_slices, out_slices, *routing)
+    return torch.stack([y, buf[: y.numel()].view(y.shape).to(y.dtype)])
+
+
 def linear_shrink(
     x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, num_slices: int, *routing: Tensor,
     ranks: Tensor | None = None,

@@ -130,6 +130,33 @@ def linear_delta(
     )
     d = buf[: n * out_features].view(n, out_features)
     h = buf[n * out_features :].view(num_slices, n, max_rank)
+    y = _side_delta(x, weight, bias, a, b, out_slices, routing, ranks, d, h)
+    return y, buf
+
+
+def linear_delta_stacked(
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, num_slices: int,
+    out_slices: list[int], *routing: Tensor, ranks: Tensor | None = None
+) -> Tensor:  # fmt: skip
+    """:func:`lora_graph.ops.lora_linear_delta_stacked`: :func:`linear_delta` with the base
+    linear written into ``out[0]`` and the delta, in ``x``'s dtype, into ``out[1]``."""
+    _require_triton()
+    n = x.shape[0]
+    max_rank = a.shape[1] // num_slices
+    out = torch.empty((2, n, sum(out_slices)), dtype=x.dtype, device=x.device)
+    h = torch.empty((num_slices, n, max_rank), dtype=torch.float32, device=x.device)
+    _side_delta(x, weight, bias, a, b, out_slices, routing, ranks, out[1], h, y=out[0])
+    return out
+
+
+def _side_delta(
+    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor,
+    out_slices: list[int], routing: tuple[Tensor, ...], ranks: Tensor | None, d: Tensor,
+    h: Tensor, y: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """The base linear (into ``y`` if given) on the caller's stream, the shrink into ``h``
+    and the expand overwriting ``d`` on the side stream beside it; returns ``y``."""
+    n, max_rank = x.shape[0], h.shape[2]
     shrink_cfg = shrink_config(n, x.shape[1], a.shape[1], x.element_size(), device_sms(x.device))
     side = _side_stream(x.device)
     ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -146,10 +173,15 @@ def linear_delta(
             h.zero_()  # shrink skips are rows the expand does not read
         launch_shrink(x, a, h, *_routing3(routing), max_rank, shrink_cfg, ranks=ranks)
         launch_expand(d, h, b, tuple(out_slices), *_routing3(routing), overwrite=True, ranks=ranks)
-    y = torch.nn.functional.linear(x, weight, bias)
+    if y is None:
+        y = torch.nn.functional.linear(x, weight, bias)
+    elif bias is None:
+        torch.mm(x, weight.t(), out=y)
+    else:
+        torch.addmm(bias, x, weight.t(), out=y)
     if side is not None:
         main.wait_stream(side)
-    return y, buf
+    return y
 
 
 def linear_shrink(

@@ -19,7 +19,6 @@ from lora_graph.attention import (
     paged_attention,
     rope_kv_write,
 )
-from lora_graph.distributed import tp_all_reduce
 from lora_graph.layers import Linear
 from lora_graph.routing import Routing
 
@@ -144,7 +143,7 @@ class PagedAttention(nn.Module):
         softcap: the attention logits' soft cap (0: none; Gemma 2's).
         reduce: tensor parallel: ``config`` holds this rank's heads, and ``o_proj``'s
             partial output (row-parallel) is summed over the ranks
-            (:func:`lora_graph.distributed.tp_all_reduce`).
+            (:meth:`lora_graph.layers.LoRALinear.reduced`).
     """
 
     def __init__(self, config: Any, kv_cache: PagedKVCache, window: int | None, *,
@@ -202,8 +201,9 @@ class PagedAttention(nn.Module):
             self.window or 0,
             *cap,
         )
-        out = self.o_proj(out.view(n, c.q_size), routing)
-        return tp_all_reduce(out) if self.reduce else out
+        if self.reduce:
+            return self.o_proj.reduced(out.view(n, c.q_size), routing)
+        return self.o_proj(out.view(n, c.q_size), routing)
 
 
 def _gelu_tanh_and_mul(x: Tensor) -> Tensor:
@@ -235,8 +235,9 @@ class GatedMLP(nn.Module):
             h = self.gate_up_proj.silu_and_mul(x, routing)
         else:
             h = _gelu_tanh_and_mul(self.gate_up_proj(x, routing))
-        out = self.down_proj(h, routing)
-        return tp_all_reduce(out) if self.reduce else out
+        if self.reduce:
+            return self.down_proj.reduced(h, routing)
+        return self.down_proj(h, routing)
 
 
 def fuse_checkpoint(
