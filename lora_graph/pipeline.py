@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -218,7 +217,7 @@ class PipelineModel(abc.ABC):
             # a worker started by torchrun: it serves rank 0 here, then its process ends
             self.serve_worker()
             self.link.close()
-            sys.exit(0)
+            distributed.exit_worker()
 
     # ---- tensor parallelism -------------------------------------------------------------
     def _check_tensor_parallel(self, size: int) -> None:

@@ -173,7 +173,12 @@ def _row_parallel_rank(rank: int, size: int, store: str, out: str) -> None:
     """One rank of a row-parallel o_proj with an adapter (a spawned process): its input
     columns, its share of the weight and of A, B whole, the delta added to the partial
     output before ``tp_all_reduce``; the sum written by rank 0."""
-    from lora_graph.distributed import close_tensor_parallel, init_tensor_parallel, tp_all_reduce
+    from lora_graph.distributed import (
+        close_tensor_parallel,
+        exit_worker,
+        init_tensor_parallel,
+        tp_all_reduce,
+    )
 
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, size, init_method=store, backend="gloo")
@@ -195,6 +200,7 @@ def _row_parallel_rank(rank: int, size: int, store: str, out: str) -> None:
         want = x @ w.T + x @ a.double().T @ b.double().T
         torch.save({"got": y, "want": want, **{f"reduced {k}": v for k, v in got.items()}}, out)
     close_tensor_parallel()
+    exit_worker()  # (as the engine's workers do: finalization could race gloo's threads)
 
 
 def _row_parallel_lora_layers(tp, w, a, b):
