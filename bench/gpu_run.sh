@@ -39,8 +39,8 @@
 #                                   multi-turn chat workload (the cached share of prompt tokens)
 #   bash bench/gpu_run.sh tp1       tensor parallelism at size 1 (an NCCL group of one rank, in the captured graphs):
 #                                   its GPU test, then bench/decode.py without a group and at
-#                                   --tensor-parallel-size 1 (also the variant adding a row layer's delta
-#                                   before its all-reduce), twice each, alternating
+#                                   --tensor-parallel-size 1 (also the variant all-reducing a row layer's delta
+#                                   beside its output, KernelPolicy.reduce_delta_apart), twice each, alternating
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -116,7 +116,7 @@ for stage in "$@"; do
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_triton_ops.py \
         -k "tensor_parallel or nccl or side_stream_delta_in_a_graph" 2>&1 | tee "$OUT/gpu_tp.log" | grep -E "bit for bit|passed|failed|Error" | tail -8
       for tp in none 1 none 1; do
-        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants "add:reduce_apart=0")
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants "apart:reduce_apart=1")
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp_$tp.json" 2>&1 \
           | tee -a "$OUT/decode_tp_$tp.log" | grep -vi warn | tail -16
       done ;;

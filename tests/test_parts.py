@@ -354,14 +354,17 @@ def test_the_kernel_policy_picks_each_layer_path(monkeypatch, policy_kw, rows, w
     torch.testing.assert_close(got, ops.silu_and_mul(base(x) + d), rtol=1e-5, atol=1e-5)
 
 
+APART = {"reduce_delta_apart": True}
+
+
 @pytest.mark.parametrize(
     "policy_kw, rows, graph, per_segment, stacked",
     [
-        ({}, 8, True, False, True),  # decode in a graph: base output and delta stacked
-        ({"reduce_delta_apart": False}, 8, True, False, False),
-        ({"side_stream_max_rows": 4}, 8, True, False, False),
-        ({}, 8, False, False, False),  # eager: the delta joins the output in place
-        ({}, 8, True, True, False),  # an LM head (routed by request) is never row-parallel
+        (APART, 8, True, False, True),  # decode in a graph: base output and delta stacked
+        ({}, 8, True, False, False),  # (off by default)
+        ({**APART, "side_stream_max_rows": 4}, 8, True, False, False),
+        (APART, 8, False, False, False),  # eager: the delta joins the output in place
+        (APART, 8, True, True, False),  # an LM head (routed by request) is never row-parallel
     ],
 )
 def test_a_row_parallel_layer_stacks_its_delta_where_the_policy_says(

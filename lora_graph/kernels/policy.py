@@ -30,7 +30,9 @@ class KernelPolicy:
             delta is all-reduced beside its partial output (one collective of twice the
             bytes; the add after it fuses into the residual add) rather than added before
             the all-reduce (an add kernel of its own). On one H200 at size 1 the add kept
-            LoRA steps 1.6-2.3% slower than without a group (session 17).
+            LoRA steps 1.6-2.3% slower than without a group (session 17); the stacked
+            path (session 18) is not yet run on a GPU, hence off by default:
+            ``bash bench/gpu_run.sh tp1`` times both.
 
     Raises:
         ValueError: for a row count that is not an integer or is negative,
@@ -41,7 +43,7 @@ class KernelPolicy:
     side_stream_max_rows: int = 64
     fused_silu_decode: bool = True
     fused_silu_min_rows: int = 8
-    reduce_delta_apart: bool = True
+    reduce_delta_apart: bool = False
 
     def __post_init__(self) -> None:
         for name in ("side_stream_max_rows", "fused_silu_min_rows"):
