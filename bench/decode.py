@@ -1,7 +1,9 @@
 """Decode step time: the engine with and without LoRA, against the bandwidth floor and PEFT.
 
 Llama-3-8B shapes (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab
-128256), random bfloat16 weights, rank-16 adapters on all seven linears. For each batch
+128256; ``--shapes 70b``: Llama-3-70B's, hidden 8192, 80 layers, 64 heads, FFN 28672),
+random bfloat16 weights (made on each rank, its share kept: :class:`RandomWeights`),
+rank-16 adapters on all seven linears. For each batch
 size it times one packed decode step (median of CUDA-event-timed replays; the requests'
 contexts spread around ``--context``, read through their block tables) for:
 
@@ -9,7 +11,8 @@ contexts spread around ``--context``, read through their block tables) for:
     (c) one adapter for every row              (d) 4 distinct adapters mixed
     (e) 16 distinct adapters mixed             peft: transformers + peft, (a) and (d)
 
-and the floor: the weight bytes plus the KV bytes the step reads, over the device copy
+and the floor: the weight bytes plus the KV bytes the step reads on one GPU (under tensor
+parallelism a rank's share, the replicated LM head whole), over the device copy
 bandwidth measured in the same run.
 
     python bench/decode.py                      # the H200 run (writes bench/out/decode.json)
@@ -41,6 +44,8 @@ import os
 import statistics
 import tempfile
 import time
+import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -57,6 +62,8 @@ LLAMA3_8B = dict(
     max_position_embeddings=8192,
     rope_theta=500000.0,
 )
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64)  # fmt: skip
 SMOKE = dict(
     vocab_size=256,
     hidden_size=64,
@@ -66,6 +73,56 @@ SMOKE = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+SHAPES = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
+
+
+class RandomWeights(Mapping[str, torch.Tensor]):
+    """A Llama checkpoint (Hugging Face names) of ``shapes`` whose tensors are made when
+    read: linear and embedding weights normal with std 0.02 (as ``LlamaForCausalLM``
+    initializes them), RMSNorm weights 1, all bfloat16 on the current device (a rank's GPU
+    in a worker; the CPU without CUDA). Each tensor comes from a generator seeded by
+    ``seed`` and its name, so every rank reads the same checkpoint. Picklable (the shapes
+    and the seed): a tensor-parallel pipeline hands it to its workers."""
+
+    def __init__(self, shapes: dict, seed: int = 0) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**shapes))
+        self.shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self.seed = seed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")  # fmt: skip
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16, device=device)
+        g = torch.Generator(device).manual_seed(self.seed * 7919 + zlib.crc32(name.encode()))
+        t = torch.randn(shape, generator=g, dtype=torch.bfloat16, device=device)
+        return t.mul_(0.02)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def nbytes(self, tied: bool = False) -> int:
+        """The checkpoint's bytes (bfloat16), the LM head left out when ``tied``."""
+        return sum(
+            2 * _numel(shape) for name, shape in self.shapes.items()
+            if not (tied and name == "lm_head.weight")
+        )  # fmt: skip
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -348,6 +405,13 @@ def main() -> None:
         help="with --tensor-parallel-size: the LM head split by vocabulary, its logits "
         "gathered (default: whole on every rank)",
     )
+    parser.add_argument(
+        "--shapes",
+        choices=sorted(SHAPES),
+        default="8b",
+        help="the model's shapes: Llama-3-8B (default) or Llama-3-70B (141 GB in bfloat16: "
+        "give --tensor-parallel-size 2 or more on H200s; no PEFT run)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="bench/out/decode.json")
     args = parser.parse_args()
@@ -362,35 +426,43 @@ def main() -> None:
     if args.smoke:
         args.mode, args.reps, args.batch_sizes = args.mode or "eager", 3, [1, 4]
     args.mode = args.mode or "cudagraph"
-    shapes = SMOKE if args.smoke else LLAMA3_8B
+    shapes = SMOKE if args.smoke else SHAPES[args.shapes]
+    if shapes is not LLAMA3_8B and not args.smoke:
+        args.skip_peft = True  # (one GPU cannot hold the transformers model)
     work = Path(tempfile.mkdtemp(prefix="lora_graph_bench_"))
     hf_config = LlamaConfig(**shapes)
     hf_config.save_pretrained(work / "base")
     max_batch = max(args.batch_sizes)
-    t0 = time.time()
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
-    weights = {k: v for k, v in hf.state_dict().items()}
-    print(f"random model built in {time.time() - t0:.1f} s", flush=True)
+    weights = RandomWeights(shapes)
+    hf = None
+    if not args.skip_peft:
+        t0 = time.time()
+        torch.manual_seed(0)
+        with torch.device(device):
+            hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+        print(f"transformers model built in {time.time() - t0:.1f} s", flush=True)
 
     bw = copy_bandwidth(device)
-    weight_bytes = sum(
-        v.numel() * v.element_size()
-        for k, v in weights.items()
-        if not (hf_config.tie_word_embeddings and "lm_head" in k)
-    )
+    size = args.tensor_parallel_size or 1
+    head_bytes = 2 * shapes["vocab_size"] * shapes["hidden_size"]
+    weight_bytes = weights.nbytes(tied=hf_config.tie_word_embeddings)
+    # one GPU's: its share of every sharded tensor (the norms are noise), the LM head whole
+    # unless split by vocabulary
+    head_share = head_bytes / size if args.vocab_parallel_lm_head else head_bytes
+    rank_bytes = (weight_bytes - head_bytes) / size + head_share
     head_dim = shapes["hidden_size"] // shapes["num_attention_heads"]
-    kv_token_bytes = 2 * shapes["num_hidden_layers"] * shapes["num_key_value_heads"] * head_dim * 2
+    kv_heads = max(1, shapes["num_key_value_heads"] // size)  # (replicated past kv ranks)
+    kv_token_bytes = 2 * shapes["num_hidden_layers"] * kv_heads * head_dim * 2
 
     def floor_ms(batch: int) -> float:
         """Weights plus the KV bytes the step reads, over the copy bandwidth."""
         kv = sum(c + 1 for c in contexts(batch, args.context)) * kv_token_bytes
-        return (weight_bytes + kv) / bw * 1e3
+        return (rank_bytes + kv) / bw * 1e3
 
     print(
-        f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
-        f"KV {kv_token_bytes / 1e3:.0f} kB a token, mean context {args.context}",
+        f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB "
+        f"({rank_bytes / 1e9:.2f} GB a GPU), KV {kv_token_bytes / 1e3:.0f} kB a token a GPU, "
+        f"mean context {args.context}",
         flush=True,
     )
 
@@ -409,7 +481,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "copy_bandwidth_TBps": bw / 1e12,
+        "shapes": "smoke" if args.smoke else args.shapes,
         "weight_GB": weight_bytes / 1e9,
+        "weight_GB_per_gpu": rank_bytes / 1e9,
         "context": args.context,
         "kv_bytes_per_token": kv_token_bytes,
         "mode": args.mode,
@@ -510,7 +584,7 @@ def main() -> None:
         lora = None
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    if not args.skip_peft:
+    if hf is not None:
         from peft import PeftModel
 
         first = variants[0][0]

@@ -1,12 +1,13 @@
 """A whole serving workload, end to end: many requests, prompts of mixed length, mixed
 adapters, arrivals over time.
 
-Random bfloat16 weights of Llama-3-8B shapes and random rank-16 PEFT adapters on all seven
-linears (as ``bench/decode.py``). The workload (every knob on the command line): ``--requests``
-prompts with lengths uniform in ``--prompt-len MIN MAX``, ``--output-len`` new tokens each
-(EOS ignored), each under one of ``--adapters`` adapters drawn by ``--popularity`` or, with
-probability ``--base-share``, the base model; all at once (``--rate inf``) or Poisson
-arrivals at ``--rate`` requests/s. It is served by:
+Random bfloat16 weights of Llama-3-8B shapes (``--shapes 70b``: Llama-3-70B's, with
+``--tensor-parallel-size`` 2 or more; no PEFT run) and random rank-16 PEFT adapters on all
+seven linears (as ``bench/decode.py``). The workload (every knob on the command line):
+``--requests`` prompts with lengths uniform in ``--prompt-len MIN MAX``, ``--output-len``
+new tokens each (EOS ignored), each under one of ``--adapters`` adapters drawn by
+``--popularity`` or, with probability ``--base-share``, the base model; all at once
+(``--rate inf``) or Poisson arrivals at ``--rate`` requests/s. It is served by:
 
     base   the engine with LoRA disabled, every request on the base model
     lora   the LoRA engine on the mixed workload
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode import LLAMA3_8B, SMOKE, write_adapter  # bench/decode.py
+from decode import LLAMA3_8B, SHAPES, SMOKE, RandomWeights, write_adapter  # bench/decode.py
 
 
 def parse_args() -> argparse.Namespace:
@@ -110,6 +111,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--compile", default="cudagraph", choices=["cudagraph", "inductor", "none"])
     p.add_argument("--peft-requests", type=int, default=4, help="requests peft serves (0: skip)")
+    p.add_argument(
+        "--shapes",
+        choices=sorted(SHAPES),
+        default="8b",
+        help="the model's shapes: Llama-3-8B (default) or Llama-3-70B (141 GB in bfloat16: "
+        "give --tensor-parallel-size 2 or more on H200s; no PEFT run)",
+    )
     p.add_argument("--skip-base", action="store_true", help="do not run the base-only engine")
     p.add_argument(
         "--compare-sync",
@@ -403,7 +411,9 @@ def main() -> None:
     from lora_graph.kernels.policy import KernelPolicy
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    shapes = dict(LLAMA3_8B)
+    shapes = dict(SHAPES[args.shapes])
+    if shapes != LLAMA3_8B:
+        args.peft_requests = 0  # (one GPU cannot hold the transformers model)
     if args.smoke:
         shapes = dict(SMOKE)
         args.requests, args.prompt_len, args.output_len = min(args.requests, 8), [4, 40], 4
@@ -426,10 +436,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lora_graph_serve_"))
     hf_config = LlamaConfig(**shapes)
     hf_config.save_pretrained(work / "base")
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
-    weights = dict(hf.state_dict())
+    weights = RandomWeights(shapes, seed=args.seed)  # (made on each rank, its share kept)
+    hf = None
+    if args.peft_requests:  # the same weights
+        with torch.device(device):
+            hf = LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+        hf.load_state_dict(dict(weights))
     names = [f"a{i}" for i in range(args.adapters)]
     for i, name in enumerate(names):
         write_adapter(work / name, shapes, 16, seed=100 + i)
@@ -507,7 +519,7 @@ def main() -> None:
     if not args.skip_base:
         run("base", None, True)
     run("lora", LoRAConfig(max_slots=args.max_loras, max_rank=16, kernel_policy=policy), False)
-    if args.peft_requests:
+    if hf is not None:
         sub = first[: args.peft_requests]
         m = serve_peft(hf, work, names, sub, args.output_len)
         results["runs"][f"peft ({len(sub)} req)"] = m

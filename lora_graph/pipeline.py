@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -68,7 +68,10 @@ class PipelineModel(abc.ABC):
             option of the same name.
         lora: the adapter pool's config, or None to serve the base model only.
         weights: a checkpoint state dict (Hugging Face names) to load instead of reading
-            the directory's safetensors (benchmarks build models in memory).
+            the directory's safetensors (benchmarks build models in memory), or any
+            mapping of names to tensors: under tensor parallelism each rank reads every
+            tensor once and keeps its share (a mapping that makes each tensor when read,
+            ``bench/decode.py``'s ``RandomWeights``, serves a model larger than one device).
         tensor_parallel_size: serve the model sharded over this many ranks (tensor
             parallelism, Megatron-LM's split: :mod:`lora_graph.parallel`), one process and
             one device each (``cuda:0..N-1``; on the CPU, gloo): this object is rank 0 and
@@ -105,7 +108,7 @@ class PipelineModel(abc.ABC):
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
-        weights: dict[str, Tensor] | None = None,
+        weights: Mapping[str, Tensor] | None = None,
         tensor_parallel_size: int | None = None,
         vocab_parallel_lm_head: bool = False,
     ) -> None:
@@ -371,7 +374,7 @@ class PipelineModel(abc.ABC):
         def read(select: Select | None) -> dict[str, Tensor]:
             if self._weights is None:
                 return read_checkpoint(self.model_dir, select)
-            return self._weights if select is None else select_state(self._weights, select)
+            return dict(self._weights) if select is None else select_state(self._weights, select)
 
         if self.tp is None:
             checkpoint = read(None)

@@ -215,3 +215,31 @@ def test_benchmarks_at_tensor_parallel_2(script, extra, tmp_path):
     proc = run_bench(script, [*args, *extra], tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert "| lora |" in proc.stdout or "| default |" in proc.stdout
+
+
+def test_random_weights_are_a_llama_checkpoint_made_when_read(monkeypatch):
+    """bench/decode.py's ``RandomWeights`` (the 70B runs' weights, never whole on one GPU):
+    the names and shapes of ``LlamaForCausalLM``'s state dict, the same tensor on every
+    read (every rank reads the same checkpoint), std 0.02, RMSNorm weights 1; picklable."""
+    import importlib.util
+    import pickle
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    module_spec = importlib.util.spec_from_file_location("bench_decode", BENCH / "decode.py")
+    decode = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(decode)
+    monkeypatch.setitem(sys.modules, "bench_decode", decode)  # (for pickle)
+    weights = decode.RandomWeights(decode.SMOKE, seed=3)
+    hf = LlamaForCausalLM(LlamaConfig(**decode.SMOKE))
+    want = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+    assert {name: tuple(weights[name].shape) for name in weights} == want
+    assert weights.nbytes() == 2 * sum(t.numel() for t in hf.state_dict().values())
+    embed = weights["model.embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16 and torch.equal(embed, weights[next(iter(weights))])
+    assert abs(float(embed.float().std()) - 0.02) < 0.002
+    assert not torch.equal(embed[:, :8], weights["lm_head.weight"][:, :8])
+    assert (weights["model.norm.weight"] == 1).all()
+    assert pickle.loads(pickle.dumps(weights)).shapes == weights.shapes
+    assert set(decode.SHAPES) == {"8b", "70b"}

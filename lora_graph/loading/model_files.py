@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -122,8 +122,9 @@ def read_checkpoint(model_dir: str, select: Select | None = None) -> dict[str, T
     )
 
 
-def select_state(state: dict[str, Tensor], select: Select) -> dict[str, Tensor]:
-    """The parts of an in-memory state dict ``select`` names (as :func:`read_checkpoint`)."""
+def select_state(state: Mapping[str, Tensor], select: Select) -> dict[str, Tensor]:
+    """The parts of an in-memory state dict ``select`` names (as :func:`read_checkpoint`);
+    each tensor read from ``state`` once."""
     return {name: _take(t, select(name, tuple(t.shape))) for name, t in state.items()}
 
 
