@@ -41,6 +41,12 @@
 #                                   its GPU test, then bench/decode.py without a group and at
 #                                   --tensor-parallel-size 1 (also the variant all-reducing a row layer's delta
 #                                   beside its output, KernelPolicy.reduce_delta_apart), twice each, alternating
+#   bash bench/gpu_run.sh tp2       (2+ GPUs, #31) the tensor-parallel GPU tests at sizes 1 and 2 (NCCL), then
+#                                   bench/decode.py (8B shapes, batches 1-64) plain, at size 2, and at size 2
+#                                   with the vocabulary-parallel LM head
+#   bash bench/gpu_run.sh tp2serve  (2+ GPUs) bench/serve.py, the 256-request workload, plain and at size 2
+#   bash bench/gpu_run.sh tp70b     (2+ GPUs; TP=4 for 4) Llama-3-70B shapes at size TP (2): bench/decode.py
+#                                   and bench/serve.py's 256-request workload (random weights made on each rank)
 #   bash bench/gpu_run.sh loracost  bench/profile_step.py (kernel time of one mixed step by kind), then
 #                                   bench/serve.py, LoRA engine only, side-stream delta up to 64/512/2048 rows
 # Logs and JSON go to $OUT (the device tool's output folder) or bench/out.
@@ -48,6 +54,8 @@ set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off (the device tool's KINDS.md: it can take the host's GPUs down)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
@@ -116,10 +124,30 @@ for stage in "$@"; do
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_triton_ops.py \
         -k "tensor_parallel or nccl or side_stream_delta_in_a_graph" 2>&1 | tee "$OUT/gpu_tp.log" | grep -E "bit for bit|passed|failed|Error" | tail -8
       for tp in none 1 none 1; do
-        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants "apart:reduce_apart=1")
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants add "apart:reduce_apart=1")
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp_$tp.json" 2>&1 \
           | tee -a "$OUT/decode_tp_$tp.log" | grep -vi warn | tail -16
       done ;;
+    tp2)  # tensor parallelism over 2 GPUs (NCCL): the tests, then decode steps at sizes 1 and 2
+      python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \
+        | tee "$OUT/gpu_tp2.log" | grep -E "bit for bit|generations equal|passed|failed|Error" | tail -8
+      for run in none 2 2v; do
+        flag=(); [ "$run" = 2 ] && flag=(--tensor-parallel-size 2)
+        [ "$run" = 2v ] && flag=(--tensor-parallel-size 2 --vocab-parallel-lm-head)
+        python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp2_$run.json" 2>&1 \
+          | tee -a "$OUT/decode_tp2_$run.log" | grep -vi warn | tail -8
+      done ;;
+    tp2serve)  # the 256-request workload, one GPU and 2
+      for tp in none 2; do
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp")
+        python3 bench/serve.py --peft-requests 0 "${flag[@]}" --json "$OUT/serve_tp_$tp.json" 2>&1 \
+          | tee -a "$OUT/serve_tp_$tp.log" | grep -vi warn | tail -8
+      done ;;
+    tp70b)  # Llama-3-70B shapes over TP GPUs (default 2)
+      python3 bench/decode.py --shapes 70b --reps 50 --tensor-parallel-size "${TP:-2}" \
+        --json "$OUT/decode_70b_tp${TP:-2}.json" 2>&1 | tee "$OUT/decode_70b.log" | grep -vi warn | tail -8
+      python3 bench/serve.py --shapes 70b --tensor-parallel-size "${TP:-2}" \
+        --json "$OUT/serve_70b_tp${TP:-2}.json" 2>&1 | tee "$OUT/serve_70b.log" | grep -vi warn | tail -8 ;;
     extras)
       python3 -m pip install -q --no-index --find-links bench/out/wheels xgrammar jsonschema fastapi \
         uvicorn prometheus_client openai httpx 2>&1 | tail -2
