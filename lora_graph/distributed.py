@@ -299,6 +299,9 @@ class Wire:
         self.parts = list(parts)
         total = HEADER + sum(p.numel() for p in self.parts)
         self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
+        pin = self.buffer.is_cuda
+        self._header = torch.zeros(HEADER, dtype=torch.int32, pin_memory=pin)
+        self._staged = torch.cuda.Event() if pin else None  # the last header's copy
         self.views = []
         start = HEADER
         for p in self.parts:
@@ -306,10 +309,19 @@ class Wire:
             start += p.numel()
 
     def send(self, command: int, *args: int, carry: Sequence[int] = ()) -> None:
-        """Rank 0: broadcast ``command`` and ``args``, with the parts numbered ``carry``."""
-        header = torch.zeros(HEADER, dtype=torch.int32)
-        header[: 1 + len(args)] = torch.tensor([command, *args], dtype=torch.int32)
-        self.buffer[:HEADER].copy_(header)
+        """Rank 0: broadcast ``command`` and ``args``, with the parts numbered ``carry``.
+        On CUDA the header goes up from pinned memory without waiting for the stream (a
+        pageable copy would wait for the previous step, undoing asynchronous scheduling)."""
+        values = [command, *args]
+        if len(values) > HEADER:
+            raise ValueError(f"a wire header holds {HEADER} ints, got {len(values)}")
+        if self._staged is not None:
+            self._staged.synchronize()  # the last header must have left the staging buffer
+        for i in range(HEADER):
+            self._header[i] = values[i] if i < len(values) else 0
+        self.buffer[:HEADER].copy_(self._header, non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
         for i in carry:
             self.views[i].copy_(self.parts[i].view(-1))
         dist.broadcast(self.buffer, src=0)

@@ -252,3 +252,13 @@ def test_row_parallel_all_reduce_over_two_gloo_processes(tmp_path):
         )
     x = torch.randn(3, 4)
     assert tensor_parallel() is None and torch.equal(tp_all_reduce(x), x)
+
+
+def test_a_wire_header_too_long_is_refused():
+    """A command with more arguments than the wire's header holds is refused before
+    anything is sent (never cut short on the way to the workers)."""
+    from lora_graph.distributed import HEADER, Wire
+
+    wire = Wire([torch.zeros(3, dtype=torch.int32)], torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"a wire header holds {HEADER} ints, got {HEADER + 1}"):
+        wire.send(1, *range(HEADER))
