@@ -41,6 +41,8 @@
 #                                   its GPU test, then bench/decode.py without a group and at
 #                                   --tensor-parallel-size 1 (also the variant all-reducing a row layer's delta
 #                                   beside its output, KernelPolicy.reduce_delta_apart), twice each, alternating
+#   bash bench/gpu_run.sh tp1prof   bench/profile_step.py on a decode step of 64 rows and 4 adapters: plain, at size 1,
+#                                   and at size 1 with KernelPolicy.reduce_delta_apart (kernel time by kind)
 #   bash bench/gpu_run.sh tp2       (2+ GPUs, #31) the tensor-parallel GPU tests at sizes 1 and 2 (NCCL), then
 #                                   bench/decode.py (8B shapes, batches 1-64) plain, at size 2, and at size 2
 #                                   with the vocabulary-parallel LM head
@@ -127,6 +129,14 @@ for stage in "$@"; do
         flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants add "apart:reduce_apart=1")
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp_$tp.json" 2>&1 \
           | tee -a "$OUT/decode_tp_$tp.log" | grep -vi warn | tail -16
+      done ;;
+    tp1prof)  # where a decode step's time goes at size 1 (collectives, LoRA adds) against plain
+      for run in none 1 1apart; do
+        flag=(); [ "$run" = none ] || flag=(--tensor-parallel-size 1)
+        [ "$run" = 1apart ] && flag+=(--reduce-delta-apart)
+        echo "== profile_step ${flag[*]:-plain}"
+        python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 4 --kernels 14 \
+          "${flag[@]}" 2>&1 | tee -a "$OUT/profile_tp_$run.log" | grep -vi warn | tail -38
       done ;;
     tp2)  # tensor parallelism over 2 GPUs (NCCL): the tests, then decode steps at sizes 1 and 2
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \

@@ -11,6 +11,7 @@ time is summed by kind:
 
     gemm        cuBLAS / cutlass matrix multiplies (the base linears, the LM head)
     lora        lora_graph's shrink / expand kernels, and their memsets
+    collective  NCCL's kernels (``--tensor-parallel-size``)
     attention   lora_graph's paged attention
     other       everything else (norms, RoPE, residual adds, KV writes, sampling inputs)
 
@@ -40,6 +41,8 @@ def kind(name: str) -> str:
     n = name.lower()
     if "paged_attention" in n or "reduce_splits" in n:
         return "attention"
+    if "nccl" in n:
+        return "collective"
     if "shrink" in n or "expand" in n or "lora" in n:
         return "lora"
     if "gemm" in n or "cutlass" in n or "sm90" in n or "cublas" in n or "nvjet" in n:
@@ -141,6 +144,19 @@ def main() -> None:
         help="list this many of the longest kernels a run (name, ms and launches a step; "
         "default 10)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="profile rank 0 of a tensor-parallel pipeline of this many ranks (1: the "
+        "distributed path on one GPU; default: no group)",
+    )
+    p.add_argument(
+        "--reduce-delta-apart",
+        action="store_true",
+        help="KernelPolicy.reduce_delta_apart: a row-parallel layer's delta all-reduced beside "
+        "its output",
+    )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     args = p.parse_args()
@@ -160,9 +176,12 @@ def main() -> None:
     if args.smoke:
         args.tokens, args.decodes, args.chunk, args.context = 16, 4, 6, 20
         args.adapters, args.reps = 2, 2
-    policy = KernelPolicy()
-    if args.side_stream_rows is not None:
-        policy = KernelPolicy(side_stream_max_rows=args.side_stream_rows)
+    policy = KernelPolicy(
+        side_stream_max_rows=KernelPolicy().side_stream_max_rows
+        if args.side_stream_rows is None
+        else args.side_stream_rows,
+        reduce_delta_apart=args.reduce_delta_apart,
+    )
     work = Path(tempfile.mkdtemp(prefix="lora_graph_profile_"))
     hf_config = LlamaConfig(**shapes)
     hf_config.save_pretrained(work / "base")
@@ -181,6 +200,7 @@ def main() -> None:
         max_num_batched_tokens=args.tokens,
         weights=weights,
         lora=LoRAConfig(max_slots=max(1, args.adapters), max_rank=max(ranks), kernel_policy=policy),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     del weights
     for name in names:
@@ -194,7 +214,7 @@ def main() -> None:
         rows[label] = profile(pipe, chunks, args.reps, args.kernels)
         for c in chunks:
             pipe.pages.free(c.pages)
-    kinds = ["gemm", "lora", "attention", "other"]
+    kinds = ["gemm", "lora", "attention", "collective", "other"]
     print(
         f"\nstep of {args.tokens} tokens: {args.decodes} decodes (mean context {args.context}) "
         f"+ prefill chunks of {args.chunk}; {args.adapters} adapters of ranks {args.ranks}; "
@@ -211,6 +231,7 @@ def main() -> None:
             for name, ms, count in top:
                 print(f"  {ms:8.3f} {count:6.1f}  [{kind(name)}] {name}")
     assert pipe.graphs is None or pipe.graphs.recompiles == 0
+    pipe.close()
 
 
 if __name__ == "__main__":
