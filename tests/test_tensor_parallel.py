@@ -14,6 +14,8 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections import Counter
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -107,6 +109,23 @@ def _generate(pipe, names, **engine_kwargs):
     return [o.token_ids for o in outs], engine, [(r.prompt_token_ids, r.adapter) for r in requests]
 
 
+class _Reads(Mapping):
+    """A state dict that counts each tensor's reads (picklable: the worker gets a copy)."""
+
+    def __init__(self, state):
+        self.state, self.reads = state, Counter()
+
+    def __getitem__(self, name):
+        self.reads[name] += 1
+        return self.state[name]
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self):
+        return len(self.state)
+
+
 # interleaved: base rows between adapters, an adapter twice; four adapters a step (the
 # slots), six over the generation
 NAMES = ["KV", None, "O", "DOWN", None, "EMB", "KV", "O"]
@@ -117,12 +136,19 @@ NAMES_B = ["A", "D", None, "A", "D", None, "EMB", "DOWN"]
 def test_size_2_equals_size_1(models, kind):
     """``tied``: Llama, 4 K/V heads (2 a rank), tied embeddings (the LM head untied and
     whole on each rank); ``llama3``: 1 K/V head replicated on both ranks; ``qwen2``: 2 K/V
-    heads and q/k/v biases."""
+    heads and q/k/v biases. ``llama3``'s checkpoint is given as an in-memory mapping
+    (``weights=``), each tensor read once on rank 0 (its share kept)."""
     base, adapters = models(kind)
     one = _pipeline(base, adapters, None)
-    two = _pipeline(base, adapters, 2)
+    weights = None
+    if kind == "llama3":  # the checkpoint given in memory, as a mapping (a benchmark's way)
+        from safetensors.torch import load_file
+
+        weights = _Reads(load_file(base / "model.safetensors"))
+    two = _pipeline(base, adapters, 2, weights=weights)
     try:
         assert two.tp is not None and two.tp.size == 2
+        assert weights is None or (weights.reads and set(weights.reads.values()) == {1})
         assert two.model.embed_tokens.base.weight.shape[0] == 64  # its half of the vocabulary
         for names in {"tied": (NAMES, NAMES_B), "llama3": (NAMES_B,), "qwen2": (NAMES,)}[kind]:
             for x, y in zip(_prefill_logits(one, names), _prefill_logits(two, names),
