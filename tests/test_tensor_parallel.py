@@ -337,13 +337,28 @@ def test_vocab_parallel_lm_head_equals_size_1(models):
     """``vocab_parallel_lm_head``: each rank holds its vocabulary rows of the (tied) LM head
     and of its LoRA B, the logits gathered; greedy tokens, their logprobs and prompt
     logprobs (the head over chosen rows: every rank runs it) equal the plain pipeline's."""
+    _vocab_parallel_head_equals_size_1(models, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_vocab_parallel_lm_head_equals_size_1(models):
+    """The same on 2 GPUs (float32, NCCL), the logits' all-gather inside CUDA graphs."""
+    _vocab_parallel_head_equals_size_1(
+        models, {"device": "cuda", "dtype": torch.float32, "max_num_batched_tokens": 128}
+    )
+
+
+def _vocab_parallel_head_equals_size_1(models, kwargs):
     base, adapters = models("tied")
     runs = {}
     for size in (None, 2):
         pipe = _pipeline(base, {n: adapters[n] for n in ("EMB", "A", "D")}, size,
-                         vocab_parallel_lm_head=True)  # fmt: skip
+                         vocab_parallel_lm_head=True, **kwargs)  # fmt: skip
         if size:
             assert pipe.model.lm_head.base.weight.shape[0] == 64  # its half of the vocabulary
+        if kwargs.get("device") == "cuda":
+            pipe.enable_compile("cudagraph", token_buckets=(8, 128), progress=False)
         engine = LLMEngine(pipe, eos_token_ids=())
         names = ["EMB", None, "A", "D", "EMB", None]
         outs = engine.generate([
@@ -353,6 +368,8 @@ def test_vocab_parallel_lm_head_equals_size_1(models):
                                                 strict=True))
         ])  # fmt: skip
         assert all(o.error is None for o in outs), [o.error for o in outs]
+        if pipe.graphs is not None:
+            assert sum(g.replays for g in pipe.graphs.graphs.values()) > 0
         runs[size] = outs
         pipe.close()
     for one, two in zip(runs[None], runs[2], strict=True):
