@@ -40,6 +40,7 @@ import argparse
 import functools
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -94,8 +95,8 @@ class RandomWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")  # fmt: skip
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.bfloat16, device=device)
         g = torch.Generator(device).manual_seed(self.seed * 7919 + zlib.crc32(name.encode()))
@@ -111,16 +112,9 @@ class RandomWeights(Mapping[str, torch.Tensor]):
     def nbytes(self, tied: bool = False) -> int:
         """The checkpoint's bytes (bfloat16), the LM head left out when ``tied``."""
         return sum(
-            2 * _numel(shape) for name, shape in self.shapes.items()
+            2 * math.prod(shape) for name, shape in self.shapes.items()
             if not (tied and name == "lm_head.weight")
         )  # fmt: skip
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -263,15 +263,12 @@ def _worker_main(rank: int, init_method: str, build: tuple[Any, ...]) -> None:
     _ASSIGNED = (rank, init_method)
     cls, args, kwargs = build
     try:
-        pipeline = cls(*args, **kwargs)
-        pipeline.serve_worker()
+        cls(*args, **kwargs).serve_worker()  # (ends this process)
     except BaseException:
         print(f"lora_graph: tensor-parallel worker rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-    close_tensor_parallel()
-    exit_worker()
 
 
 def exit_worker() -> NoReturn:

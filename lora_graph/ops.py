@@ -336,6 +336,11 @@ class Kernels:
             return self
         return self.direct
 
+    def _side(self, x2: Tensor) -> bool:
+        """Decode in a graph: ``x2``'s rows within ``policy.side_stream_max_rows``, traced
+        or captured (where a LoRA layer's delta may run on a side stream)."""
+        return x2.shape[0] <= self.policy.side_stream_max_rows and in_graph(x2)
+
     def linear(self, layer: LoRALinearParams, x: Tensor, routing: Routing) -> Tensor:
         """``layer.base(x)`` plus the LoRA delta of the rows ``routing`` sends to adapters
         (:class:`lora_graph.layers.LoRALinear`'s forward). Within
@@ -349,7 +354,7 @@ class Kernels:
         x2 = x.reshape(-1, x.shape[-1])
         k = self.now()
         small = x2.shape[0] <= self.policy.side_stream_max_rows
-        if k.linear_delta is not None and small and in_graph(x2):
+        if k.linear_delta is not None and self._side(x2):
             y, buf = k.linear_delta(
                 x2, layer.base.weight, layer.base.bias, layer.a, layer.b, layer.num_slices,
                 layer.out_slices, *route, ranks=layer.ranks,
@@ -374,15 +379,10 @@ class Kernels:
         it, where the add fuses into the residual add. None elsewhere."""
         x2 = x.reshape(-1, x.shape[-1])
         k = self.now()
-        if (
-            k.linear_delta_stacked is None
-            or not self.policy.reduce_delta_apart
-            or layer.per_segment
-            or x2.shape[0] > self.policy.side_stream_max_rows
-            or not in_graph(x2)
-        ):
+        stacked = k.linear_delta_stacked if self.policy.reduce_delta_apart else None
+        if stacked is None or layer.per_segment or not self._side(x2):
             return None
-        out = k.linear_delta_stacked(
+        out = stacked(
             x2, layer.base.weight, layer.base.bias, layer.a, layer.b, layer.num_slices,
             layer.out_slices, *routing.tokens, ranks=layer.ranks,
         )  # fmt: skip
@@ -400,7 +400,7 @@ class Kernels:
         k = self.now()
         x2 = x.reshape(-1, x.shape[-1])
         n, policy = x2.shape[0], self.policy
-        side = n <= policy.side_stream_max_rows and in_graph(x2)  # decode in a graph
+        side = self._side(x2)
         fused_side = (
             k.linear_shrink is not None
             and policy.fused_silu_decode

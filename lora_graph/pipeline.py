@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import Tensor, nn
@@ -217,10 +217,7 @@ class PipelineModel(abc.ABC):
         if self.manager is not None and (self.tp is None or self.tp.rank == 0):
             self.manager.load_configured()
         if self.link is not None and self.link.torchrun and self.link.tp.rank > 0:
-            # a worker started by torchrun: it serves rank 0 here, then its process ends
-            self.serve_worker()
-            self.link.close()
-            distributed.exit_worker()
+            self.serve_worker()  # a worker started by torchrun: serves rank 0 here, then ends
 
     # ---- tensor parallelism -------------------------------------------------------------
     def _check_tensor_parallel(self, size: int) -> None:
@@ -256,11 +253,16 @@ class PipelineModel(abc.ABC):
         """The LoRA targets as served (:func:`lora_graph.tensor_parallel.served_targets`)."""
         return served_targets(self.lora_targets(), self.tp, self.vocab_parallel_lm_head)
 
-    def serve_worker(self) -> None:
+    def serve_worker(self) -> NoReturn:
         """A worker rank's loop: run each command rank 0 sends until it says stop
-        (:meth:`RankLink.serve`)."""
+        (:meth:`RankLink.serve`), leave the group, and end this process
+        (:func:`lora_graph.distributed.exit_worker`)."""
+        from lora_graph import distributed
+
         assert self.link is not None
         self.link.serve(self)
+        self.link.close()
+        distributed.exit_worker()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the group (nothing without one).
