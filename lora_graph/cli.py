@@ -17,7 +17,7 @@ import torch
 
 from lora_graph.config import package_version
 from lora_graph.engine import Request, RequestOutput, SamplingParams, check_text
-from lora_graph.launch import CliError, build_engine, check_engine_flags, engine_from_args
+from lora_graph.launch import CliError, build_engine, check_engine_args, engine_from_args
 from lora_graph.request_files import (
     embed_entries,
     embed_row,
@@ -27,6 +27,7 @@ from lora_graph.request_files import (
 )
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT (128 + 2)
 
 
 def _assets_dir() -> Path:
@@ -233,18 +234,7 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty (leave it out to serve without a key)")
     chat_template = _read_chat_template(args.chat_template)
-    check_engine_flags(
-        args.lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        compile_mode=args.compile,
-        device=args.device,
-    )
+    check_engine_args(args)
     # every flag is checked before the network is touched; the port before the model loads,
     # so a taken port fails at once (what needs the model, after it)
     with socket.socket() as probe:
@@ -642,6 +632,8 @@ def main(argv: list[str] | None = None, stdout: TextIO | None = None) -> int:
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C (the server re-raises it after its graceful shutdown)
+        return EXIT_INTERRUPTED
     finally:
         from lora_graph.distributed import shutdown
 

@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
@@ -250,8 +251,21 @@ def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Worker
     return Workers(processes)
 
 
+def leave_signals_to_rank_0() -> None:
+    """A worker ignores SIGINT and SIGTERM: a terminal's Ctrl-C, ``kill -- -PGID``,
+    ``timeout`` and ``systemctl stop`` signal every process of the group, and rank 0's
+    graceful shutdown (requests in flight finished or aborted, then STOP to the workers)
+    needs its workers until the end. A worker whose rank 0 is gone still exits (the
+    spawned ones' watch on their parent; torchrun kills its own); ``Workers.close`` kills
+    one that does not stop. Main thread only (Python's signal handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _worker_main(rank: int, init_method: str, build: tuple[Any, ...]) -> None:
     global _ASSIGNED
+    leave_signals_to_rank_0()
     parent = multiprocessing.parent_process()
     if parent is not None:  # rank 0 gone: nothing will ever come over the wire
 

@@ -53,9 +53,11 @@ def checkpoint_shares(
     module its share by the target's parallel mode (:func:`lora_graph.parallel.
     checkpoint_share`; ``targets`` as served, :func:`served_targets`), every other tensor
     whole. The model's LM head is untied under tensor parallelism: a checkpoint that ties
-    it to the embedding (``ties``, head module to embedding module) gives the head the
-    embedding's rows its target holds (whole, or this rank's vocabulary range); a whole
-    head's embedding is read whole once, then cut."""
+    it to the embedding (``ties``, head module to embedding module) may hold the shared
+    matrix under either name (``save_pretrained`` keeps the embedding's, safetensors'
+    ``save_model`` the head's; transformers loads both); the other name gets the rows its
+    target holds (whole, or this rank's vocabulary range), a whole head's embedding read
+    whole once, then cut."""
     lookup = module_map(targets, num_layers)
     whole_heads = {h for h in ties if targets[_target_of(lookup, h)].parallel == "none"}
     read_whole = {f"{ties[h]}.weight" for h in whole_heads}
@@ -73,13 +75,13 @@ def checkpoint_shares(
 
     state = dict(read(select if tp.size > 1 else None))
     for head, embedding in ties.items():
-        if f"{head}.weight" in state:
-            continue
-        table = state[f"{embedding}.weight"]
-        state[f"{head}.weight"] = table  # (a vocabulary-parallel head: the same rows)
-        if head in whole_heads and tp.size > 1:  # (read whole for the head: now its share)
-            name = f"{embedding}.weight"
-            state[name] = select_state({name: table}, share)[name]
+        e, h = f"{embedding}.weight", f"{head}.weight"
+        if e in state and h not in state:  # (a vocabulary-parallel head: the same rows)
+            state[h] = state[e]
+        elif h in state and e not in state:
+            state[e] = state[h]
+        if e in state and head in whole_heads and tp.size > 1:  # read whole: now its share
+            state[e] = select_state({e: state[e]}, share)[e]
     return state
 
 
@@ -120,6 +122,8 @@ class RankLink:
                 self.workers = distributed.start_workers(size, init_method, build)
         else:
             rank, init_method = assigned or from_torchrun  # type: ignore[misc]
+            if rank > 0:
+                distributed.leave_signals_to_rank_0()
         if device.type == "cuda":
             device = torch.device("cuda", (device.index or 0) + rank)
             torch.cuda.set_device(device)

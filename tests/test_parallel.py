@@ -262,3 +262,51 @@ def test_a_wire_header_too_long_is_refused():
     wire = Wire([torch.zeros(3, dtype=torch.int32)], torch.device("cpu"))
     with pytest.raises(ValueError, match=f"a wire header holds {HEADER} ints, got {HEADER + 1}"):
         wire.send(1, *range(HEADER))
+
+
+@pytest.mark.parametrize("vocab_parallel_head", [False, True])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_tied_checkpoint_shares_from_either_name(size, vocab_parallel_head):
+    """A tied checkpoint holds the shared matrix under the embedding's name
+    (``save_pretrained``), the head's (safetensors' ``save_model``; SmolLM2 converted from
+    GGUF) or both: each rank's shares are the same from all three, the embedding's its
+    vocabulary rows cut by hand, the head's whole or its rows; every other tensor its share
+    as from the full file."""
+    from conftest import make_hf_model
+
+    from lora_graph.loading.model_files import select_state
+    from lora_graph.models.llama import LlamaConfig, lora_targets
+    from lora_graph.tensor_parallel import checkpoint_shares, served_targets
+
+    hf = make_hf_model("tied")
+    full = {k: v.clone() for k, v in hf.state_dict().items()}
+    table = full["model.embed_tokens.weight"]
+    assert torch.equal(full["lm_head.weight"], table)
+    ties = {"lm_head": "model.embed_tokens"}
+    files = {
+        "both": full,
+        "embedding": {k: v for k, v in full.items() if k != "lm_head.weight"},
+        "head": {k: v for k, v in full.items() if k != "model.embed_tokens.weight"},
+    }
+    for rank in range(size):
+        tp = TPRank(rank, size)
+        targets = served_targets(lora_targets(LlamaConfig.from_hf(hf.config)), tp,
+                                 vocab_parallel_head)  # fmt: skip
+        shares = {}
+        for kind, state in files.items():
+
+            def read(select, state=state):
+                return dict(state) if select is None else select_state(state, select)
+
+            shares[kind] = checkpoint_shares(read, targets, 2, tp, ties)
+        rows = slice(rank * 128 // size, (rank + 1) * 128 // size)
+        for kind, got in shares.items():
+            assert got.keys() == full.keys(), kind
+            assert torch.equal(got["model.embed_tokens.weight"], table[rows]), kind
+            head = table[rows] if vocab_parallel_head else table
+            assert torch.equal(got["lm_head.weight"], head), kind
+            for name, t in got.items():
+                assert torch.equal(t, shares["both"][name]), (kind, name)
+        if size > 1:  # (and the rest are shares: q's rows)
+            q = shares["head"]["model.layers.0.self_attn.q_proj.weight"]
+            assert q.shape[0] == 64 // size

@@ -733,10 +733,14 @@ def test_client_disconnect_aborts_and_frees(served):
         time.sleep(0.1)
 
 
-def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path):
-    """``lora-graph serve`` in a process of its own: it answers, and on SIGTERM a request
-    still streaming ends (finished, or cut off with ``finish_reason`` "abort") and the
-    process exits within its grace period; nothing hangs."""
+@pytest.mark.parametrize("size, sig", [(None, "SIGTERM"), (2, "SIGINT")])
+def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path, size, sig):
+    """``lora-graph serve`` in a process of its own: it answers, and on SIGTERM (or a
+    terminal's Ctrl-C: SIGINT) a request still streaming ends (finished, or cut off with
+    ``finish_reason`` "abort") and the process exits within its grace period; nothing
+    hangs. At size 2 the signal goes to the whole process group, as a terminal's Ctrl-C,
+    ``timeout`` and ``systemctl stop`` send it: the worker leaves it to rank 0."""
+    import os
     import signal
     import subprocess
     import sys
@@ -745,7 +749,14 @@ def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path):
     argv = [sys.executable, "-m", "lora_graph.cli", "serve", "--model", str(ASSETS / "base"),
             "--lora", f"pirate={ASSETS / 'adapters' / 'pirate'}", "--port", str(port),
             "--device", "cpu", "--max-seq-len", "512", "--shutdown-timeout", "1"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv += ["--tensor-parallel-size", str(size)] if size else []
+    signum = getattr(signal, sig)
+
+    def default_sigint() -> None:  # (as in a terminal; a background job ignores it)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=default_sigint)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -760,21 +771,26 @@ def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path):
             time.sleep(0.2)
         body = {"model": "pirate", "prompt": "Once", "max_tokens": 500, "stream": True,
                 "ignore_eos": True, "n": 8, "temperature": 0}  # fmt: skip
-        reasons = []
+        reasons, done = [], False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             signalled = False
             for line in r.iter_lines():
+                done = done or line.strip() == "data: [DONE]"
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
                 if not signalled and chunk["choices"]:
-                    proc.send_signal(signal.SIGTERM)
+                    os.killpg(proc.pid, signum)  # (the session's group: it and its workers)
                     signalled = True
                 reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
-        assert signalled and set(reasons) <= {"length", "abort"}
-        # uvicorn re-raises the signal once it has shut down: the status says SIGTERM
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert signalled and done and set(reasons) <= {"length", "abort"} and len(reasons) == 8
+        # uvicorn re-raises the signal once it has shut down: the status says SIGTERM, or
+        # for SIGINT the command's 130 (no KeyboardInterrupt traceback)
+        code = proc.wait(timeout=30)
+        out = proc.stdout.read()
+        assert code == (-signal.SIGTERM if sig == "SIGTERM" else 130), out
+        assert "Traceback" not in out and "exited with code" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ engine (asynchronous scheduling, the prefix cache, preemption) equal token for t
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -218,6 +219,16 @@ def test_refusals_name_the_cause(models, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["generate", "--model", str(base), "--prompt", "1"]) == 2
     assert "give --tensor-parallel-size 2" in capsys.readouterr().err
+    # ... and with it, serve's flags pass (the next check, a port taken, stops it here)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for tp in ([], ["-tp", "2"]):
+            assert main(["serve", "--model", str(base), "--port", port, *tp]) == 2
+            err = capsys.readouterr().err
+            assert ("cannot bind" in err) == bool(tp), err
+            assert ("give --tensor-parallel-size 2" in err) != bool(tp), err
 
 
 def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
