@@ -661,7 +661,7 @@ class PipelineModelWithKVCache(PipelineModel):
                     f"max_seq_len {self.max_seq_len} (the model's context {context} bounded by "
                     "the memory left for the KV cache; give --max-seq-len or "
                     "--kv-cache-tokens to choose)"
-                )
+                ) + (f", tensor parallel size {self.tp.size}" if self.tp is not None else "")
         num_kv_pages = memory.kv_cache_pages(
             device=self.device,
             page_bytes=self.kv_bytes_per_token() * self.page_size,

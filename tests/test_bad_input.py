@@ -298,6 +298,14 @@ def test_default_max_seq_len_is_the_context_bounded_by_the_kv_cache(tiny):
     engine, _ = build_engine(str(tiny.base), [], kv_cache_tokens=40, **kw)
     assert engine.max_seq_len == 48  # 40 positions are 3 pages of 16
     assert "the model's context 128 bounded by the memory" in engine.pipeline.max_seq_len_note
+    # the start-up line still names the tensor-parallel size (a group of one rank here)
+    engine, _ = build_engine(str(tiny.base), [], kv_cache_tokens=40, tensor_parallel_size=1,
+                             **kw)  # fmt: skip
+    try:
+        assert engine.max_seq_len == 48
+        assert engine.pipeline.max_seq_len_note.endswith("to choose), tensor parallel size 1")
+    finally:
+        engine.pipeline.close()
 
 
 # ---- adapters ------------------------------------------------------------------------
