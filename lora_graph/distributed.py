@@ -27,8 +27,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
@@ -179,6 +180,19 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+_ON_WORKER_DEATH: list[Callable[[str], None]] = []
+WORKER_DEATH_GRACE = 1.0  # seconds rank 0 lives on after the hooks, for their answers
+
+
+def on_worker_death(hook: Callable[[str], None]) -> Callable[[], None]:
+    """Rank 0: have ``hook(message)`` called, on the watchdog's thread, when a worker dies,
+    before this process ends (:data:`WORKER_DEATH_GRACE` seconds after the hooks): the
+    server fails its requests in flight with the message, so each client gets an error
+    rather than a cut connection. Returns the function that removes the hook."""
+    _ON_WORKER_DEATH.append(hook)
+    return lambda: _ON_WORKER_DEATH.remove(hook) if hook in _ON_WORKER_DEATH else None
+
+
 class Workers:
     """Rank 0's handle on its worker processes: :meth:`close` stops them (also at exit);
     a watchdog thread ends this process, with a message naming the worker, if one exits
@@ -187,6 +201,7 @@ class Workers:
     def __init__(self, processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
         self.processes = list(processes)
         self.closing = False
+        self._stopping = threading.Lock()
         threading.Thread(target=self._watch, name="lora_graph-tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -202,16 +217,27 @@ class Workers:
             self._stop_for(ready[0])
 
     def _stop_for(self, sentinel: Any) -> None:
+        if not self._stopping.acquire(blocking=False):  # (the watchdog and a failed step)
+            time.sleep(WORKER_DEATH_GRACE + 10)  # the first one ends the process
+            os._exit(1)
         rank = next(r for r, p in enumerate(self.processes, start=1) if p.sentinel == sentinel)
         process = self.processes[rank - 1]
         process.join(timeout=5)
+        message = (
+            f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
+            f"{process.exitcode}; stopping rank 0 (its collectives would wait for it forever)"
+        )
         print(
-            f"\nlora_graph: tensor-parallel worker rank {rank} (pid {process.pid}) exited with "
-            f"code {process.exitcode}; stopping rank 0 (its collectives would wait for it "
-            "forever). The worker's own error, if any, is above.",
+            f"\nlora_graph: {message}. The worker's own error, if any, is above.",
             file=sys.stderr,
             flush=True,
         )
+        hooks = list(_ON_WORKER_DEATH)
+        for hook in hooks:
+            with contextlib.suppress(Exception):
+                hook(message)
+        if hooks:  # (their answers written before the process ends)
+            time.sleep(WORKER_DEATH_GRACE)
         os._exit(1)
 
     def close(self, stop: Any = None) -> None:
@@ -354,6 +380,7 @@ __all__ = [
     "agree_min",
     "close_tensor_parallel",
     "free_init_method",
+    "on_worker_death",
     "shutdown",
     "init_tensor_parallel",
     "start_workers",

@@ -5,12 +5,17 @@ the same request and adapter."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -733,26 +738,18 @@ def test_client_disconnect_aborts_and_frees(served):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("size, sig", [(None, "SIGTERM"), (2, "SIGINT")])
-def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path, size, sig):
-    """``lora-graph serve`` in a process of its own: it answers, and on SIGTERM (or a
-    terminal's Ctrl-C: SIGINT) a request still streaming ends (finished, or cut off with
-    ``finish_reason`` "abort") and the process exits within its grace period; nothing
-    hangs. At size 2 the signal goes to the whole process group, as a terminal's Ctrl-C,
-    ``timeout`` and ``systemctl stop`` send it: the worker leaves it to rank 0."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
+@contextlib.contextmanager
+def _serve_process(size: int | None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``lora-graph serve`` on the demo model in a session of its own (SIGINT at its
+    default, as in a terminal; a background job ignores it), once it answers /health:
+    the process and its URL; killed at the end if still running."""
     port = _free_port()
     argv = [sys.executable, "-m", "lora_graph.cli", "serve", "--model", str(ASSETS / "base"),
             "--lora", f"pirate={ASSETS / 'adapters' / 'pirate'}", "--port", str(port),
             "--device", "cpu", "--max-seq-len", "512", "--shutdown-timeout", "1"]  # fmt: skip
     argv += ["--tensor-parallel-size", str(size)] if size else []
-    signum = getattr(signal, sig)
 
-    def default_sigint() -> None:  # (as in a terminal; a background job ignores it)
+    def default_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -769,19 +766,35 @@ def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path, size, sig):
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        body = {"model": "pirate", "prompt": "Once", "max_tokens": 500, "stream": True,
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+_LONG_STREAM = {"model": "pirate", "prompt": "Once", "max_tokens": 500, "stream": True,
                 "ignore_eos": True, "n": 8, "temperature": 0}  # fmt: skip
-        reasons, done = [], False
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+
+
+@pytest.mark.parametrize("size, sig", [(None, "SIGTERM"), (2, "SIGINT")])
+def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(size, sig):
+    """``lora-graph serve`` in a process of its own: it answers, and on SIGTERM (or a
+    terminal's Ctrl-C: SIGINT) a request still streaming ends (finished, or cut off with
+    ``finish_reason`` "abort") and the process exits within its grace period; nothing
+    hangs. At size 2 the signal goes to the whole process group, as a terminal's Ctrl-C,
+    ``timeout`` and ``systemctl stop`` send it: the worker leaves it to rank 0."""
+    with _serve_process(size) as (proc, url):
+        reasons, done, signalled = [], False, False
+        with httpx.stream("POST", url + "/v1/completions", json=_LONG_STREAM, timeout=60) as r:
             assert r.status_code == 200
-            signalled = False
             for line in r.iter_lines():
                 done = done or line.strip() == "data: [DONE]"
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
                 if not signalled and chunk["choices"]:
-                    os.killpg(proc.pid, signum)  # (the session's group: it and its workers)
+                    os.killpg(proc.pid, getattr(signal, sig))  # (it and its workers)
                     signalled = True
                 reasons += [c["finish_reason"] for c in chunk["choices"] if c["finish_reason"]]
         assert signalled and done and set(reasons) <= {"length", "abort"} and len(reasons) == 8
@@ -791,10 +804,40 @@ def test_cli_serve_sigterm_cuts_off_in_flight_and_exits(tmp_path, size, sig):
         out = proc.stdout.read()
         assert code == (-signal.SIGTERM if sig == "SIGTERM" else 130), out
         assert "Traceback" not in out and "exited with code" not in out, out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+def test_cli_serve_a_dead_worker_fails_the_requests_in_flight_naming_it():
+    """At size 2, a worker killed while a request streams: the stream ends with an error
+    event naming the worker, then ``[DONE]`` (not a cut connection); the server exits with
+    status 1 and the same message."""
+    with _serve_process(2) as (proc, url):
+        worker = next(  # rank 1: the server's child that multiprocessing spawned
+            int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+            and _read(f"/proc/{pid}/stat").rpartition(")")[2].split()[1:2] == [str(proc.pid)]
+            and "spawn_main" in _read(f"/proc/{pid}/cmdline")
+        )  # fmt: skip
+        events, done, killed = [], False, False
+        with httpx.stream("POST", url + "/v1/completions", json=_LONG_STREAM, timeout=60) as r:
+            for line in r.iter_lines():
+                done = done or line.strip() == "data: [DONE]"
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    events.append(json.loads(line[5:]))
+                if not killed and events:
+                    os.kill(worker, signal.SIGKILL)
+                    killed = True
+        errors = [e["error"] for e in events if "error" in e]
+        assert done and len(errors) == 1, events[-3:]
+        assert "tensor-parallel worker rank 1" in errors[0]["message"], errors
+        assert proc.wait(timeout=30) == 1
+        assert "tensor-parallel worker rank 1" in proc.stdout.read()
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:  # (a process gone meanwhile)
+        return ""
 
 
 def test_real_chat_model_smollm2(tmp_path):

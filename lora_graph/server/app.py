@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lora_graph import distributed
 from lora_graph.config import package_version
 from lora_graph.engine import LLMEngine
 from lora_graph.server.config import ServerConfig
@@ -90,10 +91,14 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
         loop = EngineLoop(engine, on_step=lambda: metrics.observe_engine(engine))
         app.state.engine_loop = loop
         metrics.observe_engine(engine)
+        # a dead tensor-parallel worker: the requests in flight fail naming it, then the
+        # process ends
+        forget = distributed.on_worker_death(loop.fail_all)
         loop.start()
         try:
             yield
         finally:
+            forget()
             await asyncio.to_thread(loop.stop)
 
     # no /docs, /redoc or /openapi.json: every route but /health and /metrics is behind the

@@ -100,6 +100,15 @@ class EngineLoop:
             self.engine.abort_request(request_id)
         self._deliver_finished()
 
+    def fail_all(self, reason: str) -> None:
+        """Fail every request in flight with ``reason`` (each client gets an error) and
+        answer 503 from now on; from any thread (the engine thread may be stuck in a
+        collective that will never end: a tensor-parallel worker died)."""
+        self.error = RuntimeError(reason)
+        for request_id, watcher in list(self._watchers.items()):
+            with contextlib.suppress(Exception):
+                watcher.on_finish(RequestOutput(request_id, None, error=reason))
+
     def _run_commands(self, block: bool) -> bool:
         """Run the queued commands (waiting up to 50 ms for one if ``block``); return
         whether any ran."""
