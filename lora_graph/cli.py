@@ -427,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reload); the rest of the prompt is computed (default: on; "
         "--no-enable-prefix-caching turns it off)",
     )
-    engine.add_argument(
+    sharded = argparse.ArgumentParser(add_help=False)  # (a decoder's: not embed's)
+    sharded.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -446,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen = sub.add_parser(
         "generate",
-        parents=[common, engine],
+        parents=[common, engine, sharded],
         help="generate for one prompt or a JSON-lines requests file",
         description="Generate text for one prompt or for a requests file, each request under its "
         "adapter, batched together.",
@@ -486,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser(
         "serve",
-        parents=[common, engine],
+        parents=[common, engine, sharded],
         help="an OpenAI-compatible HTTP server (completions, chat, streaming, adapters)",
         description="Serve the model and its adapters over HTTP with OpenAI's API: "
         "POST /v1/completions and /v1/chat/completions (model = the base model's name or an "

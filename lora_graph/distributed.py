@@ -240,22 +240,25 @@ class Workers:
             time.sleep(WORKER_DEATH_GRACE)
         os._exit(1)
 
-    def close(self, stop: Any = None) -> None:
+    def close(self, stop: Any = None, *, kill: bool = False) -> None:
         """Stop the workers: ``stop()`` (sends them STOP) if given, then join them
-        (terminated after 10 s)."""
+        (terminated after 10 s, killed 2 s later: a worker ignores SIGTERM,
+        :func:`leave_signals_to_rank_0`); ``kill``: kill them at once (they wait in a
+        collective rank 0 will not reach)."""
         if self.closing:
             return
         self.closing = True
-        if stop is not None:
+        if stop is not None and not kill:
             # (a group already broken: the workers are terminated below)
             with contextlib.suppress(Exception):
                 stop()
         for p in self.processes:
-            p.join(timeout=10)
-            if p.is_alive():
+            if not kill:
+                p.join(timeout=10)
+            if p.is_alive() and not kill:
                 p.terminate()
                 p.join(timeout=2)
-            if p.is_alive():  # (a stopped or hung worker ignores SIGTERM)
+            if p.is_alive():
                 p.kill()
                 p.join(timeout=2)
 

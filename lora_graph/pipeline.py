@@ -13,6 +13,7 @@ graphs :mod:`lora_graph.compile`'s.
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -167,7 +168,7 @@ class PipelineModel(abc.ABC):
         self.vocab_parallel_lm_head = vocab_parallel_lm_head
         self._closed = False  # a tensor-parallel pipeline after close(): its shards are gone
         if distributed.worker_assignment() is not None or tensor_parallel_size is not None:
-            size = tensor_parallel_size or 1
+            size = 1 if tensor_parallel_size is None else tensor_parallel_size
             self._check_tensor_parallel(size)
             self.link = RankLink(
                 size,
@@ -435,14 +436,15 @@ class PipelineModel(abc.ABC):
         if token_buckets is None:
             top = self.max_num_batched_tokens
             token_buckets = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
-        if self.link is not None and self.link.sends:
-            self.link.send_capture(mode, list(token_buckets))
-        self.graphs = GraphCache(
-            self,
-            mode=mode,  # type: ignore[arg-type]
-            token_buckets=token_buckets,
-        )
-        self.graphs.capture(progress=progress)
+        with self._command():
+            if self.link is not None and self.link.sends:
+                self.link.send_capture(mode, list(token_buckets))
+            self.graphs = GraphCache(
+                self,
+                mode=mode,  # type: ignore[arg-type]
+                token_buckets=token_buckets,
+            )
+            self.graphs.capture(progress=progress)
         return self.graphs
 
     @property
@@ -519,11 +521,17 @@ class PipelineModel(abc.ABC):
         (rows past the chunks are padding), or ``[T, vocab]`` with ``all_logits``. A step
         whose width was captured replays its graph (the logits are then valid until the
         next replay); others run eagerly."""
+        with self._command():  # (the collectives inside the step too)
+            if self.link is not None and self.link.sends:
+                self.link.send_step(inputs)
+            return self._execute(inputs)
+
+    def _command(self) -> contextlib.AbstractContextManager[None]:
+        """Around one command rank 0 of a group sends and runs its part of
+        (:meth:`RankLink.guard`); nothing elsewhere."""
         if self.link is not None and self.link.sends:
-            self.link.send_step(inputs)
-            with self.link.guard():  # (the collectives inside the step)
-                return self._execute(inputs)
-        return self._execute(inputs)
+            return self.link.guard()
+        return contextlib.nullcontext()
 
     def _execute(self, inputs: ModelInputs) -> Tensor:
         if self.graphs is not None and not inputs.all_logits:
@@ -562,12 +570,11 @@ class PipelineModel(abc.ABC):
                 counts[k] += 1
             offsets = [0, *itertools.accumulate(counts)]
             routing = self.manager.route(inputs.chunks, offsets)
-        if self.link is not None and self.link.sends and self.vocab_parallel_lm_head:
-            # every rank's head computes its vocabulary range of these rows
-            self.link.send_logits_at(index, routing is not None)
-            with self.link.guard():
-                return self.head_logits(index, routing)
-        return self.head_logits(index, routing)
+        with self._command():
+            if self.link is not None and self.link.sends and self.vocab_parallel_lm_head:
+                # every rank's head computes its vocabulary range of these rows
+                self.link.send_logits_at(index, routing is not None)
+            return self.head_logits(index, routing)
 
     def head_logits(self, index: Tensor, routing: Routing | None) -> Tensor:
         """Float32 logits of the step's tokens ``index`` (``[R]`` int64, host or device)

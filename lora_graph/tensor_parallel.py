@@ -114,6 +114,7 @@ class RankLink:
         assigned = distributed.worker_assignment()
         from_torchrun = distributed.torchrun_assignment(size) if assigned is None else None
         self.torchrun = from_torchrun is not None
+        self.out_of_step = False
         self.workers: distributed.Workers | None = None
         self.wire: distributed.Wire | None = None
         if assigned is None and from_torchrun is None:
@@ -140,14 +141,28 @@ class RankLink:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Rank 0: a collective that fails because a worker died ends this process with
-        the message naming the worker (:meth:`Workers.fail_if_dead`), not the backend's
-        traceback."""
+        """Rank 0: one command, from its send to the end of rank 0's own part. A collective
+        that fails because a worker died ends this process with the message naming the
+        worker (:meth:`Workers.fail_if_dead`), not the backend's traceback. Anything else
+        that escapes it (Ctrl-C's KeyboardInterrupt in the middle of a step, an error in
+        rank 0's part) leaves the workers inside the command, waiting in a collective rank
+        0 will not reach: the link is then out of step (:attr:`out_of_step`), refuses
+        further commands, and :meth:`close` kills the workers rather than send STOP.
+
+        Raises:
+            RuntimeError: if the link is out of step already.
+        """
+        if self.out_of_step:
+            raise RuntimeError(
+                "the tensor-parallel ranks are out of step (a command was interrupted on "
+                "rank 0): close() this pipeline and build another"
+            )
         try:
             yield
-        except RuntimeError:
-            if self.workers is not None:
+        except BaseException as e:
+            if isinstance(e, RuntimeError) and self.workers and not self.out_of_step:
                 self.workers.fail_if_dead(timeout=5.0)
+            self.out_of_step = True
             raise
 
     @property
@@ -252,11 +267,17 @@ class RankLink:
                 raise RuntimeError(f"unknown tensor-parallel command {command}")
 
     def close(self) -> None:
-        """Rank 0: stop the workers (its own, or torchrun's: STOP); every rank: leave the
+        """Rank 0: stop the workers (its own, or torchrun's: STOP; its own killed when the
+        ranks are out of step, torchrun's left to torchrun); every rank: leave the
         group."""
         wire, self.wire = self.wire, None
+        if self.out_of_step:  # (a STOP would wait forever beside the workers' collective)
+            wire = None
         if self.workers is not None:  # (its watchdog told first: the workers now exit)
-            self.workers.close(stop=lambda: wire.send(distributed.STOP) if wire else None)
+            if wire is None:
+                self.workers.close(kill=True)
+            else:
+                self.workers.close(stop=lambda: wire.send(distributed.STOP))
             self.workers = None
         elif wire is not None and self.tp.rank == 0:
             with contextlib.suppress(Exception):  # torchrun's workers (a broken group: gone)

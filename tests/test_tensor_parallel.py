@@ -213,6 +213,8 @@ def test_refusals_name_the_cause(models, capsys, monkeypatch):
     # 4 query heads do not split over 3 ranks; an architecture that does not shard
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         _pipeline(base, {}, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1, got 0"):
+        _pipeline(base, {}, 0)  # (not taken for "no size": that is None)
     assert main(["generate", "--model", str(base), "--prompt", "1", "-tp", "0"]) == 2
     assert "--tensor-parallel-size must be at least 1" in capsys.readouterr().err
     # torchrun's processes without the flag would each run the whole job
@@ -250,6 +252,42 @@ def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "tensor-parallel worker rank 1" in done.stderr and "exited" in done.stderr
     assert "not stopped" not in done.stdout
+
+
+def test_an_interrupted_step_leaves_the_group_out_of_step_and_close_ends_it(models):
+    """Ctrl-C on rank 0 alone in the middle of a step (a KeyboardInterrupt after the
+    step was sent: the worker waits in the step's first all-reduce): the link refuses
+    further commands with a message, and close() kills the worker instead of sending a STOP
+    that would wait beside its collective forever; the process then exits normally."""
+    base, _ = models("llama3")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_tensor_parallel import _pipeline, _prefill_logits
+        pipe = _pipeline({str(base)!r}, {{}}, 2)
+        _prefill_logits(pipe, [None])
+        def interrupted(inputs):
+            raise KeyboardInterrupt
+        pipe._execute = interrupted
+        try:
+            _prefill_logits(pipe, [None])
+        except KeyboardInterrupt:
+            pass
+        del pipe._execute
+        try:
+            _prefill_logits(pipe, [None])
+        except RuntimeError as e:
+            print("refused:", e)
+        workers = pipe.link.workers.processes
+        pipe.close()
+        print("closed; worker alive:", any(p.is_alive() for p in workers))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: the tensor-parallel ranks are out of step" in done.stdout, done.stdout
+    assert "closed; worker alive: False" in done.stdout, done.stdout
 
 
 @pytest.mark.gpu
