@@ -51,6 +51,12 @@ class LlamaPipeline(PipelineModelWithKVCache):
 
     def _check_shards(self, tp: TPRank) -> None:
         llama.shard_config(self.config, tp)
+        vocab = self.config.vocab_size
+        if self.vocab_parallel_lm_head and vocab % tp.size:
+            raise ValueError(
+                f"vocab_parallel_lm_head: tensor parallel size {tp.size} does not divide the "
+                f"{vocab} vocab_size (the LM head whole on every rank, the default, serves it)"
+            )
 
     @property
     def num_layers(self) -> int:

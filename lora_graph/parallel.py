@@ -84,6 +84,28 @@ def unit_rows(width: int, units: int | None, tp: TPRank, what: str = "a slice") 
     return u * unit, (u + 1) * unit
 
 
+def vocab_rows(vocab: int, tp: TPRank) -> tuple[int, int, int]:
+    """A vocabulary-parallel embedding's share: ``(start, stop, rows)``, the token ids
+    ``[start, stop)`` rank ``tp`` looks up, held in ``rows = ceil(vocab / size)`` rows
+    (ranges of that many ids in rank order); the rows past ``stop - start`` are zeros that
+    no token reaches (a vocabulary the size does not divide, as vLLM's
+    ``VocabParallelEmbedding`` pads it: every rank's table, and every rank's slot layout,
+    the same shape)."""
+    rows = -(-vocab // tp.size)
+    start = min(tp.rank * rows, vocab)
+    return start, min(start + rows, vocab), rows
+
+
+def pad_rows(t: Tensor, rows: int, dim: int = 0) -> Tensor:
+    """``t`` with zeros appended along ``dim`` up to ``rows`` (``t`` itself if it has them)."""
+    short = rows - t.shape[dim]
+    if short <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = short
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
 def column_rows(target: LoraTarget, tp: TPRank) -> list[tuple[int, int]]:
     """For a ``column`` target, the rows of each slice ``tp`` holds, as ``(start, stop)`` in
     the slice's own rows (one pair a slice, in order)."""
@@ -96,9 +118,11 @@ def column_rows(target: LoraTarget, tp: TPRank) -> list[tuple[int, int]]:
 
 
 def input_columns(target: LoraTarget, tp: TPRank) -> tuple[int, int]:
-    """For a ``row`` target (or an embedding's vocabulary), the input columns ``tp`` holds."""
-    what = "the vocabulary" if target.kind == "embedding" else "the input"
-    return unit_rows(target.in_features, None, tp, what)
+    """For a ``row`` target, the input columns ``tp`` holds; for an embedding, the token
+    ids (:func:`vocab_rows`: its table then padded to the same rows on every rank)."""
+    if target.kind == "embedding":
+        return vocab_rows(target.in_features, tp)[:2]
+    return unit_rows(target.in_features, None, tp, "the input")
 
 
 def shard_weight(target: LoraTarget, weight: Tensor, tp: TPRank) -> Tensor:
@@ -115,8 +139,8 @@ def shard_weight(target: LoraTarget, weight: Tensor, tp: TPRank) -> Tensor:
     if tuple(weight.shape) != want:
         raise ValueError(f"weight {tuple(weight.shape)} is not the target's {want}")
     if target.kind == "embedding":
-        start, stop = input_columns(target, tp)
-        return weight[start:stop]
+        start, stop, rows = vocab_rows(target.in_features, tp)
+        return pad_rows(weight[start:stop], rows)
     if target.parallel == "row":
         start, stop = input_columns(target, tp)
         return weight[:, start:stop]
@@ -149,7 +173,10 @@ def shard_lora(
                 f"slice {s}: A {tuple(a_s.shape)} and B {tuple(b_s.shape)} do not fit "
                 f"{target.in_features} in, {target.out_slices[s]} out"
             )
-    if target.kind == "embedding" or target.parallel == "row":
+    if target.kind == "embedding":
+        start, stop, held = vocab_rows(target.in_features, tp)
+        return [pad_rows(a_s[:, start:stop], held, dim=1) for a_s in a], list(b)
+    if target.parallel == "row":
         start, stop = input_columns(target, tp)
         return [a_s[:, start:stop] for a_s in a], list(b)
     if target.parallel == "column":
@@ -168,7 +195,9 @@ def local_target(target: LoraTarget, tp: TPRank) -> LoraTarget:
     """
     if tp.size == 1:
         return target
-    if target.kind == "embedding" or target.parallel == "row":
+    if target.kind == "embedding":
+        return replace(target, in_features=vocab_rows(target.in_features, tp)[2])
+    if target.parallel == "row":
         start, stop = input_columns(target, tp)
         return replace(target, in_features=stop - start)
     if target.parallel == "column":
@@ -208,7 +237,8 @@ def checkpoint_share(
     """Which part of a checkpoint tensor of a base module rank ``tp`` reads: the index of
     each piece it holds (concatenated along dim 0), or None for a row-parallel bias on a
     rank other than 0 (zeros: the bias is added once, before the all-reduce sums the
-    partial outputs).
+    partial outputs). An embedding's rows are its token ids alone; the reader pads them
+    (:func:`vocab_rows`, :func:`pad_rows`).
 
     Args:
         target: the module's target (its whole shapes).
@@ -246,8 +276,10 @@ __all__ = [
     "column_rows",
     "input_columns",
     "local_target",
+    "pad_rows",
     "shard_image",
     "shard_lora",
     "shard_weight",
     "unit_rows",
+    "vocab_rows",
 ]

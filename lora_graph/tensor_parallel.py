@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lora_graph import distributed
 from lora_graph.loading.model_files import Select, select_state
-from lora_graph.parallel import TPRank, checkpoint_share
+from lora_graph.parallel import TPRank, checkpoint_share, pad_rows, vocab_rows
 from lora_graph.step import ModelInputs
 from lora_graph.targets import LoraTarget, module_map
 
@@ -82,6 +82,10 @@ def checkpoint_shares(
             state[e] = state[h]
         if e in state and head in whole_heads and tp.size > 1:  # read whole: now its share
             state[e] = select_state({e: state[e]}, share)[e]
+    for name, t in state.items():  # an embedding's token ids: padded to the rows it holds
+        ref = lookup(name.rpartition(".")[0])
+        if ref is not None and targets[ref.target].kind == "embedding":
+            state[name] = pad_rows(t, vocab_rows(targets[ref.target].in_features, tp)[2])
     return state
 
 

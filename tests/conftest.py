@@ -150,6 +150,8 @@ def make_hf_model(kind: str, seed: int = 0):
     extra = {
         "gqa": dict(num_key_value_heads=2),
         "tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+        # a vocabulary 2 ranks do not split (tensor parallelism pads it)
+        "vocab127": dict(num_key_value_heads=2, tie_word_embeddings=True, vocab_size=127),
         "llama3": dict(
             num_key_value_heads=1,
             rope_scaling=dict(
@@ -161,7 +163,7 @@ def make_hf_model(kind: str, seed: int = 0):
             ),
         ),
     }[kind]
-    return LlamaForCausalLM(LlamaConfig(**common, **extra))
+    return LlamaForCausalLM(LlamaConfig(**{**common, **extra}))
 
 
 def make_peft_adapter(

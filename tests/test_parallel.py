@@ -5,11 +5,20 @@ shares' outputs put back together equal the whole layer's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import lora_graph.ops
-from lora_graph.parallel import TPRank, column_rows, shard_lora, shard_weight, unit_rows
+from lora_graph.parallel import (
+    TPRank,
+    column_rows,
+    local_target,
+    shard_lora,
+    shard_weight,
+    unit_rows,
+)
 from lora_graph.routing import RoutingBuffer
 from lora_graph.targets import LoraTarget
 
@@ -132,23 +141,34 @@ def test_row_partial_sums_with_the_delta_equal_the_whole_layer(size, target):
     torch.testing.assert_close(total, x @ w.T + x @ a[0].T @ b[0].T)
 
 
+@pytest.mark.parametrize("vocab", [64, 61, 9])
 @pytest.mark.parametrize("size", [2, 4, 8])
-def test_vocabulary_parallel_embedding_sums_to_the_whole(size):
+def test_vocabulary_parallel_embedding_sums_to_the_whole(size, vocab):
     """Each rank looks up the tokens of its vocabulary range (zeros for the others), its
-    LoRA delta from its columns of A: the sum over ranks is the whole embedding's."""
+    LoRA delta from its columns of A: the sum over ranks is the whole embedding's. A
+    vocabulary the size does not split (61; 9 over 8 ranks: the last ones hold no token)
+    is padded: every rank holds ceil(vocab / size) rows of the table and columns of A,
+    those past its range zeros."""
+    target = replace(EMBED, in_features=vocab)
     g = torch.Generator().manual_seed(20 + size)
-    w = torch.randn(64, 16, generator=g, dtype=torch.float64)
-    (a,), (b,) = _adapter(EMBED, size)
+    w = torch.randn(vocab, 16, generator=g, dtype=torch.float64)
+    (a,), (b,) = _adapter(target, size)
     a, b = a.double(), b.double()
-    tokens = torch.randint(0, 64, (9,), generator=g)
+    tokens = torch.randint(0, vocab, (9,), generator=g)
     total = torch.zeros(9, 16, dtype=torch.float64)
+    held = -(-vocab // size)
     for r in range(size):
         tp = TPRank(r, size)
-        (ar,), (br,) = shard_lora(EMBED, [a], [b], tp)
-        wr = shard_weight(EMBED, w, tp)
-        start = r * 64 // size
+        (ar,), (br,) = shard_lora(target, [a], [b], tp)
+        wr = shard_weight(target, w, tp)
+        start, stop = min(r * held, vocab), min((r + 1) * held, vocab)  # (cut by hand)
+        assert wr.shape == (held, 16) and ar.shape == (RANK, held)
+        assert local_target(target, tp).in_features == held
+        assert torch.equal(wr[: stop - start], w[start:stop]) and not wr[stop - start :].any()
+        assert torch.equal(ar[:, : stop - start], a[:, start:stop])
+        assert not ar[:, stop - start :].any() and torch.equal(br, b)
         local = tokens - start
-        mine = (local >= 0) & (local < wr.shape[0])
+        mine = (local >= 0) & (local < stop - start)
         rows = torch.where(mine, local, 0)
         part = wr[rows] + ar[:, rows].T @ br.T
         total += torch.where(mine[:, None], part, 0.0)

@@ -75,9 +75,9 @@ def _pipeline(base, adapters, size, **kwargs):
     return pipe
 
 
-def _prefill_logits(pipe, names):
+def _prefill_logits(pipe, names, vocab=128):
     """Every position's logits of one packed step, one tensor per request (in order)."""
-    batch = prompts(len(names), seed=3, max_len=14)
+    batch = prompts(len(names), seed=3, max_len=14, vocab=vocab)
     chunks = [
         SeqChunk(name, ids, 0, [1 + i], owner=i)  # (a page holds 14 tokens)
         for i, (ids, name) in enumerate(zip(batch, names, strict=True))
@@ -91,13 +91,14 @@ def _prefill_logits(pipe, names):
     return [out[i] for i in range(len(names))]
 
 
-def _generate(pipe, names, **engine_kwargs):
+def _generate(pipe, names, vocab=128, **engine_kwargs):
     engine = LLMEngine(pipe, eos_token_ids=(), **engine_kwargs)
-    shared = prompts(1, seed=7, min_len=20, max_len=20)[0]  # a full page, reused
+    shared = prompts(1, seed=7, min_len=20, max_len=20, vocab=vocab)[0]  # a full page, reused
     requests = [
         Request(f"r{i}", (shared if i % 3 == 0 else []) + ids, name,
                 SamplingParams(max_new_tokens=10))
-        for i, (ids, name) in enumerate(zip(prompts(len(names), seed=5), names, strict=True))
+        for i, (ids, name) in enumerate(zip(prompts(len(names), seed=5, vocab=vocab), names,
+                                            strict=True))
     ]  # fmt: skip
     outs = engine.generate(requests)
     # again, the prompts now in the prefix cache (of the versions that computed them)
@@ -172,6 +173,30 @@ def test_size_2_equals_size_1(models, kind):
         got, engine, _ = _generate(two, mixed)
         assert got == expected
         assert engine.preemptions > 0 or kind != "tied"
+    finally:
+        two.close()
+
+
+def test_a_vocabulary_the_size_does_not_split_is_padded(models):
+    """Vocabulary 127 over 2 ranks (vLLM pads it too): each rank's embedding holds 64 rows
+    (rank 1's last a zero row no token reaches), its LoRA A as many columns, the LM head
+    tied and whole; every position's logits of mixed batches (the embedding's and LM
+    head's adapters among them) and greedy generation equal one process's. A
+    vocabulary-parallel LM head, whose gathered logits would need the same padding, is
+    refused for it before any process starts."""
+    base, adapters = models("vocab127")
+    with pytest.raises(ValueError, match="does not divide the 127 vocab_size"):
+        _pipeline(base, {}, 2, vocab_parallel_lm_head=True)
+    one = _pipeline(base, adapters, None)
+    two = _pipeline(base, adapters, 2)
+    try:
+        assert two.model.embed_tokens.base.weight.shape[0] == 64
+        for names in (NAMES, NAMES_B):
+            for x, y in zip(_prefill_logits(one, names, vocab=127),
+                            _prefill_logits(two, names, vocab=127), strict=True):  # fmt: skip
+                torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+        mixed = [*NAMES, *NAMES_B]
+        assert _generate(two, mixed, vocab=127)[0] == _generate(one, mixed, vocab=127)[0]
     finally:
         two.close()
 

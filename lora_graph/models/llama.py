@@ -35,7 +35,7 @@ from lora_graph.models.blocks import (
     residual_add,
     rope_tables,
 )
-from lora_graph.parallel import TPRank
+from lora_graph.parallel import TPRank, vocab_rows
 from lora_graph.routing import Routing
 from lora_graph.targets import LoraTarget
 
@@ -219,13 +219,14 @@ class LlamaModel(nn.Module):
             its heads (K/V heads replicated when fewer than the ranks) and its part of the
             MLP (:func:`shard_config`), each attention and MLP output summed over the ranks;
             the embedding holds its vocabulary range (vocabulary-parallel: a token outside
-            it embeds as zeros, then summed); the LM head is whole on every rank
+            it embeds as zeros, then summed; padded when the size does not divide the
+            vocabulary, :func:`lora_graph.parallel.vocab_rows`); the LM head is whole on every rank
             (replicated, untied).
         vocab_parallel_head: under ``tp``, the LM head holds this rank's vocabulary rows
             instead, the logits gathered from every rank (:meth:`final_logits`).
 
     Raises:
-        ValueError: if the heads, the MLP or the vocabulary do not split over ``tp``.
+        ValueError: if the heads or the MLP do not split over ``tp``.
     """
 
     def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int,
@@ -236,9 +237,10 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.vocab_parallel_head = tp is not None and vocab_parallel_head
         local = config if tp is None else shard_config(config, tp)
-        vocab = config.vocab_size if tp is None else config.vocab_size // tp.size
-        self.vocab_start, self.vocab_local = (0 if tp is None else tp.rank * vocab), vocab
-        self.embed_tokens = Embedding(vocab, config.hidden_size)
+        vocab = config.vocab_size
+        start, stop, rows = (0, vocab, vocab) if tp is None else vocab_rows(vocab, tp)
+        self.vocab_start, self.vocab_local = start, stop - start  # (the rest: zero padding)
+        self.embed_tokens = Embedding(rows, config.hidden_size)
         reduce = {} if tp is None else {"reduce": True}  # (a variant's layer may lack it)
         self.layers = nn.ModuleList(
             self.layer_class(
@@ -252,7 +254,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.make_norm(config.hidden_size)
-        head_rows = vocab if self.vocab_parallel_head else config.vocab_size
+        head_rows = rows if self.vocab_parallel_head else vocab
         self.lm_head = Linear(config.hidden_size, head_rows, bias=False)
         if config.tie_word_embeddings and tp is None:
             self.lm_head.weight = self.embed_tokens.weight
@@ -333,15 +335,16 @@ def shard_config(config: LlamaConfig, tp: TPRank) -> LlamaConfig:
     size)`` K/V heads (a K/V head shared by ``size / kv_heads`` ranks when fewer), and
     ``intermediate / size`` of the MLP (Megatron-LM's split).
 
+    The vocabulary need not split: the embedding pads it (:func:`lora_graph.parallel.
+    vocab_rows`).
+
     Raises:
-        ValueError: naming the size that does not split over ``tp.size`` ranks (the
-            vocabulary too: the embedding is vocabulary-parallel).
+        ValueError: naming the size that does not split over ``tp.size`` ranks.
     """
     n, kv = tp.size, config.num_key_value_heads
     for what, value in (
         ("attention heads", config.num_attention_heads),
         ("intermediate_size", config.intermediate_size),
-        ("vocab_size", config.vocab_size),
     ):
         if value % n:
             raise ValueError(f"tensor parallel size {n} does not divide the {value} {what}")
