@@ -88,9 +88,9 @@ def vocab_rows(vocab: int, tp: TPRank) -> tuple[int, int, int]:
     """A vocabulary-parallel embedding's share: ``(start, stop, rows)``, the token ids
     ``[start, stop)`` rank ``tp`` looks up, held in ``rows = ceil(vocab / size)`` rows
     (ranges of that many ids in rank order); the rows past ``stop - start`` are zeros that
-    no token reaches (a vocabulary the size does not divide, as vLLM's
-    ``VocabParallelEmbedding`` pads it: every rank's table, and every rank's slot layout,
-    the same shape)."""
+    no token reaches (a vocabulary the size does not divide; vLLM's
+    ``VocabParallelEmbedding`` pads too): every rank's table, and every rank's slot layout,
+    the same shape."""
     rows = -(-vocab // tp.size)
     start = min(tp.rank * rows, vocab)
     return start, min(start + rows, vocab), rows

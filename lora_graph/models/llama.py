@@ -220,8 +220,8 @@ class LlamaModel(nn.Module):
             MLP (:func:`shard_config`), each attention and MLP output summed over the ranks;
             the embedding holds its vocabulary range (vocabulary-parallel: a token outside
             it embeds as zeros, then summed; padded when the size does not divide the
-            vocabulary, :func:`lora_graph.parallel.vocab_rows`); the LM head is whole on every rank
-            (replicated, untied).
+            vocabulary, :func:`lora_graph.parallel.vocab_rows`); the LM head is whole on
+            every rank (replicated, untied).
         vocab_parallel_head: under ``tp``, the LM head holds this rank's vocabulary rows
             instead, the logits gathered from every rank (:meth:`final_logits`).
 
