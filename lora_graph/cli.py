@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,6 +30,7 @@ from lora_graph.request_files import (
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT (128 + 2)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15)
 
 
 def _assets_dir() -> Path:
@@ -622,22 +625,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread (as vLLM's command line does), so a command ends
+    through :func:`main`'s cleanup: a tensor-parallel run's workers stopped, not orphaned."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None, stdout: TextIO | None = None) -> int:
-    """Entry point of ``lora-graph``; returns the exit status."""
+    """Entry point of ``lora-graph``; returns the exit status (130 after Ctrl-C, 143 after
+    SIGTERM, each once the command has stopped: the server's requests in flight finished
+    or aborted first, ``--shutdown-timeout``)."""
     args = build_parser().parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return EXIT_BAD_INPUT
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args, stdout or sys.stdout)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # Ctrl-C (the server re-raises it after its graceful shutdown)
+    except Terminated:  # (the server re-raises it after its graceful shutdown)
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:  # Ctrl-C (the same)
         return EXIT_INTERRUPTED
     finally:
         from lora_graph.distributed import shutdown
 
+        if previous is not None:  # (a second SIGTERM during the cleanup ends the process)
+            signal.signal(signal.SIGTERM, previous)
         shutdown()  # (a tensor-parallel run's workers)
 
 

@@ -220,9 +220,13 @@ class Workers:
         if not self._stopping.acquire(blocking=False):  # (the watchdog and a failed step)
             time.sleep(WORKER_DEATH_GRACE + 10)  # the first one ends the process
             os._exit(1)
+        self.closing = True
         rank = next(r for r, p in enumerate(self.processes, start=1) if p.sentinel == sentinel)
         process = self.processes[rank - 1]
         process.join(timeout=5)
+        for p in self.processes:  # the others: their collectives would only fail, noisily
+            if p.is_alive():
+                p.kill()
         message = (
             f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
             f"{process.exitcode}; stopping rank 0 (its collectives would wait for it forever)"
@@ -308,6 +312,8 @@ def _worker_main(rank: int, init_method: str, build: tuple[Any, ...]) -> None:
     try:
         cls(*args, **kwargs).serve_worker()  # (ends this process)
     except BaseException:
+        if parent is not None and wait([parent.sentinel], timeout=3.0):
+            os._exit(1)  # rank 0 ended (and said why): this is only its collectives breaking
         print(f"lora_graph: tensor-parallel worker rank {rank} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()

@@ -118,7 +118,7 @@ class RankLink:
         assigned = distributed.worker_assignment()
         from_torchrun = distributed.torchrun_assignment(size) if assigned is None else None
         self.torchrun = from_torchrun is not None
-        self.out_of_step = False
+        self.out_of_step = True  # (until connect(): the workers are building their pipelines)
         self.workers: distributed.Workers | None = None
         self.wire: distributed.Wire | None = None
         if assigned is None and from_torchrun is None:
@@ -136,12 +136,17 @@ class RankLink:
             share = max(1, (os.cpu_count() or 1) // size)
             torch.set_num_threads(min(torch.get_num_threads(), share))
         self.device = device
-        self.tp = distributed.init_tensor_parallel(
-            rank,
-            size,
-            init_method=init_method,
-            backend="nccl" if device.type == "cuda" else "gloo",
-        )
+        try:
+            self.tp = distributed.init_tensor_parallel(
+                rank,
+                size,
+                init_method=init_method,
+                backend="nccl" if device.type == "cuda" else "gloo",
+            )
+        except BaseException:  # (Ctrl-C at start-up: the started workers go with it)
+            if self.workers is not None:
+                self.workers.close(kill=True)
+            raise
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -176,7 +181,10 @@ class RankLink:
 
     def connect(self, pipeline: Any) -> None:
         """The wire between the ranks, carrying the pipeline's step buffer and routing, and
-        rank 0's slot writer (every rank's share of an adapter image, :meth:`send_slot`)."""
+        rank 0's slot writer (every rank's share of an adapter image, :meth:`send_slot`).
+        The last step of every rank's pipeline construction: the ranks are in step from here
+        (closed before it, rank 0 kills its workers, whatever they were building)."""
+        self.out_of_step = False
         if self.tp.size == 1:
             return
         parts = [pipeline.step_buffer.buffer]

@@ -315,6 +315,38 @@ def test_an_interrupted_step_leaves_the_group_out_of_step_and_close_ends_it(mode
     assert "closed; worker alive: False" in done.stdout, done.stdout
 
 
+def test_ctrl_c_while_the_ranks_build_their_pipelines_kills_the_workers_quietly(models):
+    """A KeyboardInterrupt on rank 0 while the worker is still building its pipeline (here
+    rank 0 is interrupted before sizing the KV cache, the worker waits in that collective):
+    rank 0 kills its worker rather than send it a STOP it would never read in step, and
+    nothing prints a traceback (the worker's broken collective is not its own error)."""
+    base, _ = models("llama3")
+    script = textwrap.dedent(f"""
+        import multiprocessing, sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_tensor_parallel import _pipeline
+        from lora_graph import distributed
+        from lora_graph.pipeline import PipelineModelWithKVCache
+
+        def interrupted(self, lora):
+            raise KeyboardInterrupt
+
+        PipelineModelWithKVCache._plan_memory = interrupted  # (rank 0's alone)
+        try:
+            _pipeline({str(base)!r}, {{}}, 2)
+        except KeyboardInterrupt:
+            print("interrupted")
+        distributed.shutdown()
+        print("workers left:", len(multiprocessing.active_children()))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "interrupted\nworkers left: 0" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "failed" not in done.stderr, done.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
