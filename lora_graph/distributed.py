@@ -180,6 +180,14 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+STOP_TIMEOUT = 10.0  # seconds rank 0 waits for its workers to take STOP, then kills them
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):
+        fn()
+
+
 _ON_WORKER_DEATH: list[Callable[[str], None]] = []
 WORKER_DEATH_GRACE = 1.0  # seconds rank 0 lives on after the hooks, for their answers
 
@@ -248,14 +256,19 @@ class Workers:
         """Stop the workers: ``stop()`` (sends them STOP) if given, then join them
         (terminated after 10 s, killed 2 s later: a worker ignores SIGTERM,
         :func:`leave_signals_to_rank_0`); ``kill``: kill them at once (they wait in a
-        collective rank 0 will not reach)."""
+        collective rank 0 will not reach). A STOP not taken within :data:`STOP_TIMEOUT`
+        seconds (a worker stopped or hung, not dead) kills them too."""
         if self.closing:
             return
         self.closing = True
         if stop is not None and not kill:
-            # (a group already broken: the workers are terminated below)
-            with contextlib.suppress(Exception):
-                stop()
+            # (a group already broken: the workers are killed below)
+            sender = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+            sender.start()
+            sender.join(timeout=STOP_TIMEOUT)
+            kill = sender.is_alive()
+        else:
+            sender = None
         for p in self.processes:
             if not kill:
                 p.join(timeout=10)
@@ -265,6 +278,8 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2)
+        if sender is not None:  # (its collective fails now: done before this process ends)
+            sender.join(timeout=5)
 
 
 def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Workers:

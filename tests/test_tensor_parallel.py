@@ -315,12 +315,43 @@ def test_an_interrupted_step_leaves_the_group_out_of_step_and_close_ends_it(mode
     assert "closed; worker alive: False" in done.stdout, done.stdout
 
 
-def test_ctrl_c_while_the_ranks_build_their_pipelines_kills_the_workers_quietly(models):
-    """A KeyboardInterrupt on rank 0 while the worker is still building its pipeline (here
-    rank 0 is interrupted before sizing the KV cache, the worker waits in that collective):
-    rank 0 kills its worker rather than send it a STOP it would never read in step, and
-    nothing prints a traceback (the worker's broken collective is not its own error)."""
+def test_close_kills_a_worker_that_does_not_take_stop(models):
+    """A worker stopped (SIGSTOP: alive, not dead, so no watchdog fires) while idle:
+    close() waits for it to take STOP for ``STOP_TIMEOUT`` seconds (1 here), then kills it,
+    instead of waiting in the STOP's collective forever."""
     base, _ = models("llama3")
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_tensor_parallel import _pipeline, _prefill_logits
+        from lora_graph import distributed
+        distributed.STOP_TIMEOUT = 1.0
+        pipe = _pipeline({str(base)!r}, {{}}, 2)
+        _prefill_logits(pipe, [None])
+        workers = pipe.link.workers.processes
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        pipe.close()
+        print("closed; worker alive:", any(p.is_alive() for p in workers))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "closed; worker alive: False" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("where", ["joining", "building"])
+def test_ctrl_c_at_start_up_kills_the_workers_quietly(models, where):
+    """A KeyboardInterrupt on rank 0 at start-up, its worker started: while joining the
+    group (the worker waits at the rendezvous rank 0 never opens) or while the ranks build
+    their pipelines (rank 0 interrupted before sizing the KV cache, the worker waiting in
+    that collective). Rank 0 kills the worker at once, and nothing prints a traceback (the
+    worker's broken rendezvous or collective is not its own error)."""
+    base, _ = models("llama3")
+    patch = {
+        "joining": "distributed.init_tensor_parallel = interrupted",
+        "building": "PipelineModelWithKVCache._plan_memory = interrupted",
+    }[where]
     script = textwrap.dedent(f"""
         import multiprocessing, sys
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
@@ -328,22 +359,32 @@ def test_ctrl_c_while_the_ranks_build_their_pipelines_kills_the_workers_quietly(
         from lora_graph import distributed
         from lora_graph.pipeline import PipelineModelWithKVCache
 
-        def interrupted(self, lora):
+        def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
 
-        PipelineModelWithKVCache._plan_memory = interrupted  # (rank 0's alone)
+        {patch}  # (rank 0's alone)
+        kills, close = [], distributed.Workers.close
+
+        def recorded(self, stop=None, *, kill=False):
+            kills.append(kill)
+            close(self, stop, kill=kill)
+
+        distributed.Workers.close = recorded
         try:
             _pipeline({str(base)!r}, {{}}, 2)
         except KeyboardInterrupt:
             print("interrupted")
+        workers = multiprocessing.active_children()
         distributed.shutdown()
         print("workers left:", len(multiprocessing.active_children()))
+        print("exit codes:", [p.exitcode for p in workers], "killed at once:", kills)
     """)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "interrupted\nworkers left: 0" in done.stdout, done.stdout + done.stderr
+    assert "exit codes: [-9] killed at once: [True]" in done.stdout, done.stdout
     assert "Traceback" not in done.stderr and "failed" not in done.stderr, done.stderr
 
 
