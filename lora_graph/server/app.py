@@ -164,6 +164,17 @@ def create_app(engine: LLMEngine, tokenizer: Any, config: ServerConfig) -> FastA
     return app
 
 
+def _cut_off(loop: EngineLoop) -> None:
+    """The grace period's end: abort what is in flight (each response completed with
+    ``finish_reason`` "abort"); if the engine thread does not take the abort within 2 s
+    (stuck in a step: a tensor-parallel worker that stopped), fail the requests instead, so
+    each client still gets a complete answer (an error) rather than a cut connection."""
+    try:
+        loop.call(loop.abort_all).result(timeout=2.0)
+    except Exception:  # noqa: BLE001 - the timeout, or an engine already failed
+        loop.fail_all("the server shut down while the engine was stuck in a step")
+
+
 def run_server(
     app: FastAPI, *, host: str, port: int, grace: float, log_level: str = "info"
 ) -> None:
@@ -178,7 +189,7 @@ def run_server(
             if not self.should_exit:
                 loop: EngineLoop | None = getattr(app.state, "engine_loop", None)
                 if loop is not None:
-                    timer = threading.Timer(grace, lambda: loop.call(loop.abort_all))
+                    timer = threading.Timer(grace, _cut_off, args=(loop,))
                     timer.daemon = True
                     timer.start()
             super().handle_exit(sig, frame)

@@ -104,7 +104,7 @@ class EngineLoop:
         """Fail every request in flight with ``reason`` (each client gets an error) and
         answer 503 from now on; from any thread (the engine thread may be stuck in a
         collective that will never end: a tensor-parallel worker died)."""
-        self.error = RuntimeError(reason)
+        self.error = self.error or RuntimeError(reason)
         for request_id, watcher in list(self._watchers.items()):
             with contextlib.suppress(Exception):
                 watcher.on_finish(RequestOutput(request_id, None, error=reason))
@@ -150,8 +150,7 @@ class EngineLoop:
                 "the engine failed; every request in flight is failed and the server answers "
                 "503 until it is restarted"
             )
-            for request_id, watcher in list(self._watchers.items()):
-                watcher.on_finish(RequestOutput(request_id, None, error=f"engine failed: {e!r}"))
+            self.fail_all(f"engine failed: {e!r}")  # (each watcher, whatever the others do)
             self._watchers.clear()
             while True:
                 try:
