@@ -200,15 +200,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
                     "vocab.json", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 
 
-def check_engine_args(args: argparse.Namespace) -> None:
-    """:func:`check_engine_flags` on the engine options ``generate`` and ``serve`` share
-    (``serve`` checks them before it binds its port).
-
-    Raises:
-        CliError: naming the first bad flag.
-    """
-    check_engine_flags(
-        args.lora,
+def _shared_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of ``generate`` and ``serve`` that :func:`check_engine_flags`
+    and :func:`build_engine` both take, by their names there."""
+    return dict(
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_batch_size=args.max_batch_size,
@@ -222,25 +217,26 @@ def check_engine_args(args: argparse.Namespace) -> None:
     )
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """:func:`check_engine_flags` on the engine options ``generate`` and ``serve`` share
+    (``serve`` checks them before it binds its port).
+
+    Raises:
+        CliError: naming the first bad flag.
+    """
+    check_engine_flags(args.lora, **_shared_options(args))
+
+
 def engine_from_args(args: argparse.Namespace, **extra: Any) -> tuple[LLMEngine, Any]:
     """:func:`build_engine` with the engine options ``generate`` and ``serve`` share."""
     return build_engine(
         args.model,
         args.lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
         dtype=args.dtype,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        max_seq_len=args.max_seq_len,
-        compile_mode=args.compile,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_tokens=args.kv_cache_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         progress=args.progress,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+        **_shared_options(args),
         **extra,
     )
 
