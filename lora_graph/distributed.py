@@ -180,7 +180,7 @@ def free_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-STOP_TIMEOUT = 10.0  # seconds rank 0 waits for its workers to take STOP, then kills them
+STOP_TIMEOUT = 10.0  # seconds rank 0 waits for its workers to end on STOP, then kills them
 
 
 def _quietly(fn: Callable[[], Any]) -> None:
@@ -226,9 +226,8 @@ class Workers:
 
     def _stop_for(self, sentinel: Any) -> None:
         if not self._stopping.acquire(blocking=False):  # (the watchdog and a failed step)
-            time.sleep(WORKER_DEATH_GRACE + 10)  # the first one ends the process
+            time.sleep(WORKER_DEATH_GRACE + 10)  # the first one ends the process, saying why
             os._exit(1)
-        self.closing = True
         rank = next(r for r, p in enumerate(self.processes, start=1) if p.sentinel == sentinel)
         process = self.processes[rank - 1]
         process.join(timeout=5)
@@ -253,28 +252,24 @@ class Workers:
         os._exit(1)
 
     def close(self, stop: Any = None, *, kill: bool = False) -> None:
-        """Stop the workers: ``stop()`` (sends them STOP) if given, then join them
-        (terminated after 10 s, killed 2 s later: a worker ignores SIGTERM,
-        :func:`leave_signals_to_rank_0`); ``kill``: kill them at once (they wait in a
-        collective rank 0 will not reach). A STOP not taken within :data:`STOP_TIMEOUT`
-        seconds (a worker stopped or hung, not dead) kills them too."""
+        """Stop the workers: ``stop()`` (sends them STOP) if given, then join them; a worker
+        not ended :data:`STOP_TIMEOUT` seconds after (stopped or hung, not dead; the send
+        itself may wait behind a stuck step on CUDA) is killed (SIGTERM would not do: a
+        worker ignores it, :func:`leave_signals_to_rank_0`). ``kill``: kill them at once
+        (they wait in a collective rank 0 will not reach)."""
         if self.closing:
             return
         self.closing = True
+        deadline = time.monotonic() + STOP_TIMEOUT
+        sender = None
         if stop is not None and not kill:
             # (a group already broken: the workers are killed below)
             sender = threading.Thread(target=_quietly, args=(stop,), daemon=True)
             sender.start()
             sender.join(timeout=STOP_TIMEOUT)
-            kill = sender.is_alive()
-        else:
-            sender = None
         for p in self.processes:
             if not kill:
-                p.join(timeout=10)
-            if p.is_alive() and not kill:
-                p.terminate()
-                p.join(timeout=2)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2)

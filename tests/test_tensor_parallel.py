@@ -317,8 +317,8 @@ def test_an_interrupted_step_leaves_the_group_out_of_step_and_close_ends_it(mode
 
 def test_close_kills_a_worker_that_does_not_take_stop(models):
     """A worker stopped (SIGSTOP: alive, not dead, so no watchdog fires) while idle:
-    close() waits for it to take STOP for ``STOP_TIMEOUT`` seconds (1 here), then kills it,
-    instead of waiting in the STOP's collective forever."""
+    close() waits ``STOP_TIMEOUT`` seconds (1 here) for it to end on STOP, then kills it
+    (SIGTERM would not: workers ignore it), never waiting on it forever."""
     base, _ = models("llama3")
     script = textwrap.dedent(f"""
         import os, signal, sys
