@@ -36,7 +36,12 @@ from lora_graph.parallel import TPRank
 from lora_graph.routing import Routing
 from lora_graph.step import STEP_INPUTS, ModelInputs, SeqChunk, StepBuffer
 from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
-from lora_graph.tensor_parallel import RankLink, checkpoint_shares, served_targets
+from lora_graph.tensor_parallel import (
+    RankLink,
+    check_group_size,
+    checkpoint_shares,
+    served_targets,
+)
 
 if TYPE_CHECKING:
     from lora_graph.compile.cache import GraphCache
@@ -228,23 +233,9 @@ class PipelineModel(abc.ABC):
         Raises:
             ValueError: naming the cause.
         """
-        from lora_graph.distributed import tensor_parallel, worker_assignment
-
         if not self.supports_tensor_parallel:
             raise ValueError(f"{type(self).__name__} does not support tensor parallelism yet")
-        if tensor_parallel() is not None and worker_assignment() is None:
-            raise ValueError(
-                "this process already runs a tensor-parallel pipeline (one process group a "
-                "process): close() it first"
-            )
-        if size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-        first = self.device.index or 0
-        if self.device.type == "cuda" and first + size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size {size} needs {size} GPUs from {self.device}; "
-                f"{torch.cuda.device_count()} are visible"
-            )
+        check_group_size(size, self.device)
         self._check_shards(TPRank(0, size))
 
     def _check_shards(self, tp: TPRank) -> None:  # noqa: B027 (optional: an architecture's)

@@ -41,6 +41,29 @@ def served_targets(
     }
 
 
+def check_group_size(size: int, device: torch.device) -> None:
+    """Refuse a group of ``size`` ranks from ``device`` before any process starts: a size
+    below 1, more GPUs than are visible from ``device``'s index, or a second group in this
+    process (one a process, ``torch.distributed``'s default group).
+
+    Raises:
+        ValueError: naming the cause.
+    """
+    if distributed.tensor_parallel() is not None and distributed.worker_assignment() is None:
+        raise ValueError(
+            "this process already runs a tensor-parallel pipeline (one process group a "
+            "process): close() it first"
+        )
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    first = device.index or 0
+    if device.type == "cuda" and first + size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {size} needs {size} GPUs from {device}; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
 def checkpoint_shares(
     read: Callable[[Select | None], dict[str, Tensor]],
     targets: dict[str, LoraTarget],
@@ -297,4 +320,4 @@ class RankLink:
         distributed.close_tensor_parallel()
 
 
-__all__ = ["RankLink"]
+__all__ = ["RankLink", "check_group_size", "checkpoint_shares", "served_targets"]
