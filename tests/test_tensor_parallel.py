@@ -183,7 +183,7 @@ def test_a_vocabulary_the_size_does_not_split_is_padded(models):
     tied and whole; every position's logits of mixed batches (the embedding's and LM
     head's adapters among them) and greedy generation equal one process's. A
     vocabulary-parallel LM head, whose gathered logits would need the same padding, is
-    refused for it before any process starts."""
+    refused for it before any process starts. The tokens are transformers + peft's."""
     base, adapters = models("vocab127")
     with pytest.raises(ValueError, match="does not divide the 127 vocab_size"):
         _pipeline(base, {}, 2, vocab_parallel_lm_head=True)
@@ -196,7 +196,10 @@ def test_a_vocabulary_the_size_does_not_split_is_padded(models):
                             _prefill_logits(two, names, vocab=127), strict=True):  # fmt: skip
                 torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
         mixed = [*NAMES, *NAMES_B]
-        assert _generate(two, mixed, vocab=127)[0] == _generate(one, mixed, vocab=127)[0]
+        expected, _, asked = _generate(one, mixed, vocab=127)
+        ref = PeftReference(Tiny("vocab127", base, adapters, 127))  # (one request at a time)
+        assert expected == [ref.greedy(ids, name, 10) for ids, name in asked]
+        assert _generate(two, mixed, vocab=127)[0] == expected
     finally:
         two.close()
 
