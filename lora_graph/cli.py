@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C; then they are "
-        "cut off (finish_reason 'abort') (default: 10)",
+        "cut off (finish_reason 'abort'); a second signal cuts them off at once (default: 10)",
     )
     srv.add_argument(
         "--no-progress",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import AsyncIterator
@@ -181,17 +182,30 @@ def run_server(
     """Serve ``app`` with uvicorn until SIGINT / SIGTERM. On the signal the server stops
     accepting; requests in flight get ``grace`` seconds to finish, then are aborted, so each
     one's response still ends properly (``finish_reason`` ``"abort"``, and a stream's usage
-    chunk and ``[DONE]``); the process then exits."""
+    chunk and ``[DONE]``); the process then exits. A second signal during the grace period
+    ends it at once (the same abort: complete answers, not cut connections); a third
+    Ctrl-C forces uvicorn's exit, cutting whatever is still open."""
     import uvicorn
+
+    started = threading.Lock()  # held once the grace period's end has begun
+
+    def cut_off(loop: EngineLoop) -> None:
+        if started.acquire(blocking=False):
+            _cut_off(loop)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                loop: EngineLoop | None = getattr(app.state, "engine_loop", None)
-                if loop is not None:
-                    timer = threading.Timer(grace, _cut_off, args=(loop,))
-                    timer.daemon = True
-                    timer.start()
+            loop: EngineLoop | None = getattr(app.state, "engine_loop", None)
+            if loop is not None and not self.should_exit:
+                timer = threading.Timer(grace, cut_off, args=(loop,))
+                timer.daemon = True
+                timer.start()
+            elif loop is not None and not started.locked():
+                threading.Thread(target=cut_off, args=(loop,), daemon=True).start()
+                logging.getLogger("uvicorn.error").info(
+                    "Aborting the requests in flight (CTRL+C again to force quit)"
+                )
+                return
             super().handle_exit(sig, frame)
 
     # the responses cut off at `grace` need a moment to be written before uvicorn closes them
