@@ -38,14 +38,17 @@ class LoraTarget:
     ``module_path`` is the attribute path of the target's module in the model, with
     ``{layer}`` for its layer (``"layers.{layer}.self_attn.qkv_proj"``);
     ``checkpoint_names`` are the module names an adapter's keys carry (PEFT's, after
-    ``base_model.model.``), with ``{layer}`` and ``{slice}`` (each slice name and pack
-    name): ``"model.layers.{layer}.self_attn.{slice}"``. :func:`module_map` and
-    :func:`module_path` derive the model's module map and paths from them.
+    ``base_model.model.``), with ``{layer}`` and ``{slice}`` (each pack name, and each
+    slice name no pack holds): ``"model.layers.{layer}.self_attn.{slice}"``.
+    :func:`module_map` and :func:`module_path` derive the model's module map and paths
+    from them.
 
     ``slice_packs`` names checkpoint modules that pack several slices into one tensor, as
     ``(module name, (slice name, ...))``: Phi-3's fused ``qkv_proj`` is ``[q | k | v]``.
     Such a module has one A, which each of its slices takes, and a B whose rows are those
-    slices' in order (``B @ A`` is then exactly the packed module's delta).
+    slices' in order (``B @ A`` is then exactly the packed module's delta). A packed
+    slice has no module of its own (Phi-3 has no ``q_proj``: PEFT finds none to target),
+    so an adapter naming one is refused, never written over the pack's rows.
 
     ``kind="embedding"`` is a token embedding: ``in_features`` is the vocabulary, a row's
     input is its token id, and the shrink gathers A's column for it (``x @ A.T`` of the
@@ -134,8 +137,8 @@ def module_map(
 ) -> Callable[[str], LoraModuleRef | None]:
     """Where each checkpoint module lands, from the targets' ``checkpoint_names``: a name
     matching a template, with any layer number for ``{layer}`` (a layer the model lacks is
-    refused later, naming it) and a slice or pack name for ``{slice}``; None for a module
-    no target names.
+    refused later, naming it) and a pack name or a slice name no pack holds for
+    ``{slice}``; None for a module no target names.
 
     Raises:
         ValueError: if two targets name the same module.
@@ -143,16 +146,12 @@ def module_map(
     patterns: list[tuple[re.Pattern[str], str, str | int | None]] = []
     seen: dict[str, str] = {}
     for name, t in targets.items():
-        slices = [*t.slice_names, *(pack for pack, _ in t.slice_packs or ())]
-        for template in t.checkpoint_names:
-            shards = slices if "{slice}" in template else [None]
-            for shard in shards:
-                key = template.replace("{slice}", str(shard))
-                if seen.setdefault(key, name) != name:
-                    raise ValueError(f"module {key} is named by both {seen[key]} and {name}")
-                body = re.escape(key)
-                regex = re.compile("^" + body.replace(re.escape("{layer}"), r"(\d+)") + "$")
-                patterns.append((regex, name, shard))
+        for key, shard in _checkpoint_names(t):
+            if seen.setdefault(key, name) != name:
+                raise ValueError(f"module {key} is named by both {seen[key]} and {name}")
+            body = re.escape(key)
+            regex = re.compile("^" + body.replace(re.escape("{layer}"), r"(\d+)") + "$")
+            patterns.append((regex, name, shard))
 
     def lookup(module: str) -> LoraModuleRef | None:
         for regex, name, shard in patterns:
@@ -163,6 +162,26 @@ def module_map(
         return None
 
     return lookup
+
+
+def _checkpoint_names(t: LoraTarget) -> list[tuple[str, str | int | None]]:
+    """``(name template, slice or pack)`` of each module name ``t``'s ``checkpoint_names``
+    stand for: ``{slice}`` made each pack name and each slice name no pack holds."""
+    packed = {m for _, members in t.slice_packs or () for m in members}
+    packs = [pack for pack, _ in t.slice_packs or ()]
+    slices = [*packs, *(s for s in t.slice_names if s not in packed)]
+    return [
+        (template.replace("{slice}", str(shard)), shard)
+        for template in t.checkpoint_names
+        for shard in (slices if "{slice}" in template else [None])
+    ]
+
+
+def checkpoint_modules(targets: dict[str, LoraTarget]) -> list[str]:
+    """The module names (their last part) an adapter's keys may carry for ``targets``, in
+    table order: ``["q_proj", "k_proj", ..., "lm_head"]`` for a Llama."""
+    names = (key.rsplit(".", 1)[-1] for t in targets.values() for key, _ in _checkpoint_names(t))
+    return list(dict.fromkeys(names))
 
 
 def module_path(targets: dict[str, LoraTarget]) -> Callable[[str, int], str]:

@@ -167,8 +167,11 @@ def make_hf_model(kind: str, seed: int = 0):
 
 
 def make_peft_adapter(
-    base_dir: Path, out_dir: Path, *, seed: int, factor: float, **lora_kwargs
-) -> Path:
+    base_dir: Path, out_dir: Path, *, seed: int, factor: float, save: dict | None = None,
+    **lora_kwargs,
+) -> Path:  # fmt: skip
+    """An adapter made by peft on ``base_dir`` (B scaled by ``factor``), saved to ``out_dir``
+    (``save``: ``save_pretrained``'s keyword arguments)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -179,7 +182,7 @@ def make_peft_adapter(
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.mul_(factor)
-    peft_model.save_pretrained(out_dir)
+    peft_model.save_pretrained(out_dir, **(save or {}))
     return out_dir
 
 

@@ -149,6 +149,16 @@ def test_bad_rows_and_adapters_are_refused(minilm, tmp_path):
         AdapterError, match=r"module encoder\.layer\.0\.attention\.self\.nope is out"
     ):
         pipe.manager.load_adapter(str(tmp_path / "bad"), name="bad")
+    # one module under both of its names (BertModel's, and a task model's "bert." one): the
+    # two would write the same slice, the later over the earlier; refused
+    prefix = "base_model.model."
+    both = {**load_file(weights), **{k.replace(prefix, prefix + "bert."): v
+                                     for k, v in load_file(weights).items()}}  # fmt: skip
+    save_file(both, weights)
+    with pytest.raises(AdapterError, match=r"modules bert\.encoder\.layer\.1\.attention\.self"
+                       r"\.query and encoder\.layer\.1\.attention\.self\.query both land on "
+                       r"query of layer 1's qkv"):  # fmt: skip
+        pipe.manager.load_adapter(str(tmp_path / "bad"), name="bad")
     assert torch.isfinite(pipe.embed([(ids[0], "qv")])).all()  # it serves on
 
 

@@ -148,7 +148,8 @@ def test_unserved_embedding_and_lm_head_targets_refuse_such_adapters(tiny):
     assert pipe.manager.layout.numel < full.manager.layout.numel
     with pytest.raises(
         AdapterError,
-        match=r"module lm_head is outside the served targets \(qkv_proj.*\), as is 1 more module",
+        match=r"module lm_head is outside the served targets \(q_proj, k_proj, .*, down_proj\), "
+        "as is 1 more module",
     ):
         pipe.manager.load_adapter(str(tiny.adapters["D"]), name="D")
     pipe.manager.load_adapter(str(tiny.adapters["A"]), name="A")  # the rest is served

@@ -167,7 +167,7 @@ WIDE = {
     "case, match",
     [
         (dict(config={"use_dora": True}), "use_dora"),
-        (dict(config={"bias": "all"}), "bias='all'"),
+        (dict(config={"bias": "some"}), "bias='some' is not one of PEFT's"),
         (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
         # r that disagrees with the tensors' rank: PEFT refuses it (size mismatch); so do we
         (
@@ -264,6 +264,52 @@ WIDE = {
             ),
             "saved base weight of embed_tokens differs from the served model's",
         ),
+        # a packed name the model does not have (Llama's q/k/v are separate modules): it
+        # would land on q/k/v's rows, over the q_proj pair's (PEFT finds no such module)
+        (
+            dict(
+                config={"target_modules": [*ALL_LINEARS, "qkv_proj"]},
+                tensors=lambda w: {
+                    **w,
+                    "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight": torch.ones(
+                        8, 64
+                    ),
+                    "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight": torch.ones(
+                        128, 8
+                    ),
+                },
+            ),
+            r"module model\.layers\.0\.self_attn\.qkv_proj is outside the served targets "
+            r"\(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, embed_tokens, "
+            r"lm_head\)",
+        ),
+        # a transposed A is a shape that does not fit, not a rank above max_rank
+        (
+            dict(
+                tensors=lambda w: {
+                    k: v.T.contiguous() if k == f"{Q_PROJ}.lora_A.weight" else v
+                    for k, v in w.items()
+                }
+            ),
+            r"q_proj \(A \[64, 8\], B \[64, 8\]; .*does not fit",
+        ),
+        (
+            dict(tensors=lambda w: {**w, f"{Q_PROJ}.base_layer.weight": torch.zeros(64, 64)}),
+            r"is a saved weight of the linear model\.layers\.0\.self_attn\.q_proj \(PEFT saves",
+        ),
+        (
+            dict(tensors=lambda w: {k.removeprefix("base_model.model."): v for k, v in w.items()}),
+            r"adapter 'bad': tensor model\..* lacks PEFT's 'base_model\.model\.' prefix",
+        ),
+        # configs PEFT's LoraConfig refuses
+        (
+            dict(config={"target_modules": r".*_proj", "layers_to_transform": [0]}),
+            "'layers_to_transform' cannot be used when 'target_modules' is a string",
+        ),
+        (
+            dict(config={"layers_pattern": "layers", "layers_to_transform": None}),
+            "'layers_pattern' is set but 'layers_to_transform' is not",
+        ),
         # LoRA variants that plain LoRA would serve wrong: by config field, or by a tensor it
         # carries
         (dict(config={"lora_bias": True}), "lora_bias=True, a LoRA variant"),
@@ -302,7 +348,8 @@ WIDE = {
                     "base_model.model.model.embed_tokens.weight": torch.zeros(136, 64),
                 }
             ),
-            r"tensor .*embed_tokens\.weight is not a LoRA A/B weight",
+            # (as PEFT's save_embedding_layers=True saves it, from a model of another vocabulary)
+            r"model\.embed_tokens \(saved base weight \[136, 64\]; the model's is \[128, 64\]",
         ),
         (
             dict(

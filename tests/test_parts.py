@@ -244,23 +244,37 @@ def test_attention_types_read_per_layer_and_unknown_ones_refused():
 
 
 def test_module_map_and_paths_derive_from_the_target_table():
-    """One table per model: checkpoint names (any layer number, each slice or pack name)
-    and module paths come from each target's templates; two targets naming one module is
+    """One table per model: checkpoint names (any layer number, each pack name and each
+    slice name no pack holds: Llama's q_proj, Phi-3's qkv_proj, never both) and module
+    paths come from each target's templates; two targets naming one module is
     an error in the table."""
     from transformers import LlamaConfig as HFLlama
 
     from lora_graph.models.llama import LlamaConfig, lora_targets
-    from lora_graph.targets import LoraModuleRef, LoraTarget, module_map, module_path
+    from lora_graph.targets import (
+        LoraModuleRef,
+        LoraTarget,
+        checkpoint_modules,
+        module_map,
+        module_path,
+    )
 
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     targets = lora_targets(LlamaConfig.from_hf(HFLlama(**small)))
     find = module_map(targets, 2)
     assert find("model.layers.1.self_attn.k_proj") == LoraModuleRef("qkv_proj", 1, "k_proj")
-    assert find("model.layers.0.self_attn.qkv_proj") == LoraModuleRef("qkv_proj", 0, "qkv_proj")
+    assert find("model.layers.0.self_attn.qkv_proj") is None  # (Llama has no packed module)
     assert find("model.layers.7.mlp.up_proj") == LoraModuleRef("gate_up_proj", 7, "up_proj")
     assert find("model.embed_tokens") == LoraModuleRef("embed_tokens", 0, None)
     assert find("model.layers.0.self_attn.rotary_emb") is None
     assert find("model.layers.x.mlp.up_proj") is None
+    phi3 = lora_targets(LlamaConfig.from_hf(HFLlama(**small, model_type="phi3")))
+    find = module_map(phi3, 2)  # Phi-3's checkpoint packs them: no q_proj of its own
+    assert find("model.layers.0.self_attn.qkv_proj") == LoraModuleRef("qkv_proj", 0, "qkv_proj")
+    assert find("model.layers.0.self_attn.q_proj") is None
+    assert checkpoint_modules(targets)[:3] == ["q_proj", "k_proj", "v_proj"]
+    assert checkpoint_modules(phi3) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                        "embed_tokens", "lm_head"]  # fmt: skip
     path = module_path(targets)
     assert path("down_proj", 1) == "layers.1.mlp.down_proj" and path("lm_head", 0) == "lm_head"
     clash = dict(

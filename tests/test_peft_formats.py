@@ -123,13 +123,27 @@ def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "extra",
-    [{"use_dora": None}, {"runtime_config": {"ephemeral_gpu_offload": True}}],
-    ids=["use_dora_null", "runtime_config"],
+    [
+        {"use_dora": None},
+        {"runtime_config": {"ephemeral_gpu_offload": True}},
+        {"bias": "all"},
+        {"bias": "lora_only"},
+        {"target_modules": "ALL-LINEAR"},
+        {"corda_config": {"corda_method": "ipm", "prune_temporary_fields": True}},
+        {"loftq_config": {"loftq_bits": 4, "loftq_iter": 1}},
+        {"lora_ga_config": {"direction": "ArB2r", "scale": "stable", "stable_gamma": 16}},
+    ],
+    ids=lambda extra: "-".join(f"{k}={v}" for k, v in extra.items())[:40],
 )
 def test_config_values_peft_loads_as_plain_lora_are_served(tiny, tmp_path, extra):
-    """Config values PEFT loads as plain LoRA are served as PEFT serves them (a new user's
-    trial found them refused): ``use_dora: null`` (PEFT tests it for truth) and a
-    ``runtime_config`` (where PEFT offloads work; no plain LoRA's output changes)."""
+    """Config values PEFT loads as plain LoRA are served as PEFT serves them (new users'
+    trials found them refused): ``use_dora: null`` (PEFT tests it for truth); a
+    ``runtime_config`` (where PEFT offloads work; no plain LoRA's output changes); ``bias``
+    "all" / "lora_only" on a model without biases (the file holds no bias to load);
+    ``"all-linear"`` in capitals (PEFT lower-cases it); an initialisation's settings beside
+    ``init_lora_weights: true`` (PEFT ignores them: a CorDA, LoftQ or LoRA-GA adapter
+    converted to plain LoRA, as PEFT's ``path_initial_model_for_weight_conversion`` saves
+    it, keeps its ``corda_config``)."""
     src = tiny.adapters["A"]
     out = tmp_path / "extra"
     out.mkdir()
@@ -147,6 +161,33 @@ def test_config_values_peft_loads_as_plain_lora_are_served(tiny, tmp_path, extra
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+def test_embedding_layers_saved_beside_the_adapter(tiny, tmp_path):
+    """PEFT's ``save_embedding_layers=True`` saves the base embedding and LM head beside
+    the pairs (``...embed_tokens.weight``, ``...lm_head.weight``), and loads them into the
+    model: served when they are the model's own (a new user's trial found them refused),
+    refused when they are not (serving the pairs alone would be a silent wrong answer)."""
+    from lora_graph import AdapterError
+
+    save = {"save_embedding_layers": True}
+    path = make_peft_adapter(tiny.base, tmp_path / "emb", seed=54, factor=30.0, r=4,
+                             target_modules=["q_proj"], save=save)  # fmt: skip
+    weights = load_file(str(path / "adapter_model.safetensors"))
+    head, embed = "base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"
+    assert head in weights and embed in weights
+    pipe = make_pipeline(tiny, load=())
+    pipe.manager.load_adapter(str(path), name="emb")
+    batch = prompts(1, seed=54)
+    torch.testing.assert_close(
+        run_prefill(pipe, batch, ["emb"])[0],
+        _peft_logits(tiny.base, path, batch)[0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    save_file({**weights, head: weights[head] * 2}, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="saved base weight of lm_head differs"):
+        pipe.manager.load_adapter(str(path), name="emb2")
 
 
 def test_peft_trainable_tokens_adapter_is_refused(tiny, tmp_path):

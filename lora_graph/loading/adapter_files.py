@@ -7,7 +7,8 @@ The format is PEFT's: ``adapter_config.json`` beside ``adapter_model.safetensors
 ``lora_alpha / sqrt(r)`` with ``use_rslora`` (Kalajdzievski, 2023). An embedding's pair
 is ``<module>.lora_embedding_A`` ``[r, vocab]`` and ``lora_embedding_B`` ``[dim, r]``, and
 PEFT saves the targeted embedding's and LM head's base weights beside them as
-``<module>.base_layer.weight``: those must be the served model's own.
+``<module>.base_layer.weight`` (``<module>.weight`` when not targeted, with
+``save_embedding_layers=True``): those must be the served model's own.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from lora_graph.loading.peft_config import (
     read_adapter_config,
     with_ties,
 )
-from lora_graph.targets import LoraModuleRef, LoraTarget
+from lora_graph.targets import LoraModuleRef, LoraTarget, checkpoint_modules
 
 ModuleMap = Callable[[str], LoraModuleRef | None]
 
@@ -48,7 +49,7 @@ _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.lora_(?:(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight"
     r"|(?P<emb>embedding_A|embedding_B)(?:\.(?P<ename>[^.]+))?)$"
 )
-_BASE_LAYER_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
+_BASE_LAYER_KEY = re.compile(r"^(?P<module>.+?)(?:\.base_layer)?\.weight$")
 _PREFIXES = ("base_model.model.",)
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -193,20 +194,31 @@ def parse_lora_key(key: str) -> tuple[str, str, str | None] | None:
 
 
 def parse_base_layer_key(key: str) -> str | None:
-    """The module of a base weight PEFT saved beside the adapter
-    (``base_model.model.lm_head.base_layer.weight`` gives ``"lm_head"``; PEFT saves the
-    embedding and LM head this way when they are targeted), or None for another key."""
+    """The module of what may be a base weight PEFT saved beside the adapter
+    (``base_model.model.lm_head.base_layer.weight`` gives ``"lm_head"``: PEFT saves the
+    embedding and LM head this way when they are targeted, and as
+    ``base_model.model.lm_head.weight`` with ``save_embedding_layers=True`` when they are
+    not), or None for a key of neither form (a LoRA key is not passed here)."""
     m = _BASE_LAYER_KEY.match(key)
-    return m.group("module").removeprefix(_PREFIXES[0]) if m else None
+    if m is None or not m.group("module").startswith(_PREFIXES):
+        return None
+    return m.group("module").removeprefix(_PREFIXES[0])
 
 
-def _tied_keys(keys: Collection[str], ties: Mapping[str, str]) -> list[tuple[str, str]]:
+def _tied_keys(name: str, keys: Collection[str], ties: Mapping[str, str]) -> list[tuple[str, str]]:
     """The tensor pairs PEFT's tying makes one: ``(tied module's lora_A, embedding's
     lora_embedding_B)`` and ``(tied module's lora_B, embedding's lora_embedding_A)``, each
-    the other transposed; a key the file lacks is named as PEFT saves it."""
+    the other transposed; a key the file lacks is named as PEFT saves it.
+
+    Raises:
+        AdapterError: naming adapter ``name``, as :func:`parse_lora_key`.
+    """
     found: dict[tuple[str, str], str] = {}
     for key in keys:
-        parsed = parse_lora_key(key)
+        try:
+            parsed = parse_lora_key(key)
+        except AdapterError as e:
+            raise AdapterError(f"adapter {name!r}: {e}") from None
         if parsed is not None:
             found[parsed[:2]] = key
     pairs = []
@@ -261,14 +273,16 @@ def _check_finite(name: str, key: str, tensor: Tensor) -> None:
 
 
 def _pair_keys(
-    name: str, keys: Collection[str]
+    name: str, keys: Collection[str], saved_base: Callable[[str], bool]
 ) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
     """A file's LoRA keys by module (``{module: {"A" | "B" | "embedding_A" | ...: key}}``)
-    and its saved base weights by module.
+    and its saved base weights by module: those of the modules ``saved_base`` accepts
+    (the model's LoRA target modules; PEFT saves the embedding's and the LM head's).
 
     Raises:
         AdapterError: for a key of another named adapter, a module with two A (or B)
-            tensors, or a tensor that is neither (a LoRA bias, a DoRA magnitude, ...).
+            tensors, or a tensor that is neither (a LoRA bias, a DoRA magnitude, a saved
+            layer PEFT would not save, ...).
     """
     pairs: dict[str, dict[str, str]] = {}
     base_layers: dict[str, str] = {}
@@ -291,15 +305,20 @@ def _pair_keys(
                     f"({pairs[module][ab]} and {key}); save each adapter on its own"
                 )
             pairs.setdefault(module, {})[ab] = key
-        elif (base := parse_base_layer_key(key)) is not None:
+        elif (base := parse_base_layer_key(key)) is not None and saved_base(base):
+            if base in base_layers:
+                raise AdapterError(
+                    f"adapter {name!r}: module {base} has two saved base weights "
+                    f"({base_layers[base]} and {key})"
+                )
             base_layers[base] = key
         else:
             unknown.append(key)
     if unknown and pairs:  # (no pairs at all: check() says there are no LoRA tensors)
         raise AdapterError(
-            f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a LoRA bias, "
-            "DoRA magnitude, trainable tokens or a saved full layer?); only plain LoRA can "
-            "be served"
+            f"adapter {name!r}: tensor {unknown[0]} is not a LoRA A/B weight (a trained bias, "
+            "a LoRA bias, DoRA magnitude, trainable tokens or a saved full layer?); only plain "
+            "LoRA can be served"
         )
     return pairs, base_layers
 
@@ -336,7 +355,7 @@ class AdapterReader:
         """Refuse PEFT features this engine does not serve as plain LoRA.
 
         Raises:
-            AdapterError: for ``use_dora``, a ``bias`` other than ``"none"``,
+            AdapterError: for ``use_dora``, a ``bias`` PEFT does not know,
                 ``modules_to_save``, a PEFT type other than LoRA, an initialisation that
                 rewrites the base weights (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA), or any
                 other config field set away from its default (a LoRA variant).
@@ -346,9 +365,24 @@ class AdapterReader:
             raise AdapterError(f"adapter {name!r}: peft_type {peft_type!r} is not LoRA")
         if config.get("use_dora"):
             raise AdapterError(f"adapter {name!r}: use_dora (DoRA) is not supported")
-        if config.get("bias", "none") != "none":
+        # "all" / "lora_only" train base biases, saved as tensors beside the pairs, which
+        # are refused by name; a file without them is plain LoRA (a model without biases)
+        if config.get("bias", "none") not in ("none", "all", "lora_only"):
             raise AdapterError(
-                f"adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')"
+                f"adapter {name!r}: bias={config['bias']!r} is not one of PEFT's 'none', 'all', "
+                "'lora_only'"
+            )
+        if isinstance(config.get("target_modules"), str):  # (LoraConfig refuses these)
+            for field in ("layers_to_transform", "layers_pattern"):
+                if config.get(field) is not None:
+                    raise AdapterError(
+                        f"adapter {name!r}: adapter_config.json's {field!r} cannot be used when "
+                        "'target_modules' is a string (PEFT refuses this config)"
+                    )
+        if config.get("layers_pattern") and config.get("layers_to_transform") is None:
+            raise AdapterError(
+                f"adapter {name!r}: adapter_config.json's 'layers_pattern' is set but "
+                "'layers_to_transform' is not (PEFT refuses this config)"
             )
         if config.get("modules_to_save"):
             raise AdapterError(
@@ -382,7 +416,7 @@ class AdapterReader:
         cfg = src.config
         ties = peft_weight_ties(cfg, self.tied) if cfg else {}
         tied_cfg = with_ties(cfg, ties)
-        pairs, base_layers = _pair_keys(name, shapes)
+        pairs, base_layers = _pair_keys(name, shapes, self._known_module)
         # PEFT's defaults when the config omits r or lora_alpha; a bare file (no config):
         # r is the tensors' rank and the scale is 1
         r_default = cfg.get("r", PEFT_DEFAULT_R) if cfg else None
@@ -392,6 +426,7 @@ class AdapterReader:
         modules: list[LoraModule] = []
         unmapped: list[str] = []
         misfits: list[str] = []
+        placed: dict[tuple[str, int, int], str] = {}  # (target, layer, slice) -> module
         max_rank = 0
         for module, ab in sorted(pairs.items()):
             embedding = "embedding_A" in ab or "embedding_B" in ab
@@ -411,8 +446,8 @@ class AdapterReader:
                     f"adapter {name!r}: module {module} has rank-0 tensors "
                     f"(lora_{a_name} {list(a_shape)})"
                 )
-            max_rank = max(max_rank, rank)
             if module in self.ignored:
+                max_rank = max(max_rank, rank)
                 continue
             ref = self.module_map(module)
             if ref is None or ref.target not in self.targets:
@@ -458,6 +493,14 @@ class AdapterReader:
                     f"{list(expected_a)}, B {list(expected_b)}: {cause}?)"
                 )
                 continue
+            for s in slices:  # (two names for one slice would overwrite each other's rows)
+                other = placed.setdefault((ref.target, ref.layer, s), module)
+                if other != module:
+                    raise AdapterError(
+                        f"adapter {name!r}: modules {other} and {module} both land on "
+                        f"{target.slice_names[s]} of layer {ref.layer}'s {ref.target}"
+                    )
+            max_rank = max(max_rank, rank)
             r_cfg = int(pattern_value(rank_pattern, module, r_default or rank))
             if r_cfg != rank:  # PEFT refuses this with a size mismatch
                 said = (
@@ -478,11 +521,38 @@ class AdapterReader:
             )
             scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
             modules.append(LoraModule(module, ref, ab[a_name], ab[b_name], rank, scale))
-        for module, key in base_layers.items():  # base weights PEFT saved beside the adapter
+        misfits += self._base_misfits(name, base_layers, shapes, unmapped)
+        return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
+
+    def _base_misfits(
+        self,
+        name: str,
+        base_layers: dict[str, str],
+        shapes: dict[str, tuple[int, ...]],
+        unmapped: list[str],
+    ) -> list[str]:
+        """The saved base weights (``{module: key}``, :func:`_pair_keys`) whose shape is not
+        their target's, each described for :meth:`check`; a module outside the served
+        targets is added to ``unmapped``.
+
+        Raises:
+            AdapterError: for a saved base weight of a linear (PEFT saves only the
+                embedding's and the LM head's: a full layer trained beside the adapter).
+        """
+        misfits = []
+        for module, key in base_layers.items():
             ref = self.module_map(module)
-            if ref is None or ref.target not in self.targets:
+            assert ref is not None  # (_known_module)
+            target = self.targets.get(ref.target)
+            if target is None:
+                unmapped += [] if module in unmapped else [module]
                 continue
-            target = self.targets[ref.target]
+            if not (target.kind == "embedding" or target.per_segment):
+                raise AdapterError(
+                    f"adapter {name!r}: tensor {key} is a saved weight of the linear {module} "
+                    "(PEFT saves only the embedding's and the LM head's beside an adapter: a "
+                    "layer trained with it?); only LoRA pairs can be served"
+                )
             expected = (
                 (target.in_features, target.out_features)
                 if target.kind == "embedding"
@@ -493,7 +563,12 @@ class AdapterReader:
                     f"{module} (saved base weight {list(shapes[key])}; the model's is "
                     f"{list(expected)}: a resized vocabulary?)"
                 )
-        return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
+        return misfits
+
+    def _known_module(self, module: str) -> bool:
+        """Whether ``module`` is one of the model's LoRA target modules (whose saved base
+        weight :meth:`_base_misfits` places)."""
+        return self.module_map(module) is not None
 
     def info(self, name: str, src: AdapterSource) -> AdapterInfo:
         """The adapter's :class:`AdapterInfo`, read from its config and header alone."""
@@ -512,7 +587,7 @@ class AdapterReader:
             AdapterError: naming the two tensors that should be one.
         """
         ties = peft_weight_ties(src.config, self.tied) if src.config else {}
-        for key, other in _tied_keys(list(values), ties):
+        for key, other in _tied_keys(name, list(values), ties):
             if key in values and other in values:
                 a, b = values[key], values[other]
                 same = (
@@ -534,19 +609,14 @@ class AdapterReader:
         """Refuse an adapter this deployment cannot serve.
 
         Raises:
-            AdapterError: no LoRA tensors, a rank above ``max_rank``, a module outside the
-                served targets, or a shape that does not fit its target.
+            AdapterError: a module outside the served targets, a shape that does not fit
+                its target, no LoRA tensors, or a rank above ``max_rank`` (in that order: a
+                transposed A is named as a misfit, not as a rank).
         """
-        if info.rank == 0 and not info.unmapped:
-            raise AdapterError(
-                f"adapter {name!r}: no LoRA tensors (lora_A/lora_B) in the checkpoint"
-            )
-        if info.rank > max_rank:
-            raise AdapterError(f"adapter {name!r}: rank {info.rank} is above max_rank {max_rank}")
         if info.unmapped:
             raise AdapterError(
                 f"adapter {name!r}: module {info.unmapped[0]} is outside the served targets "
-                f"({', '.join(self.targets)})"
+                f"({', '.join(checkpoint_modules(self.targets))})"
                 + (
                     ", as is 1 more module"
                     if len(info.unmapped) == 2
@@ -557,6 +627,12 @@ class AdapterReader:
             )
         if info.misfits:
             raise AdapterError(f"adapter {name!r}: module {info.misfits[0]} does not fit the model")
+        if info.rank == 0:
+            raise AdapterError(
+                f"adapter {name!r}: no LoRA tensors (lora_A/lora_B) in the checkpoint"
+            )
+        if info.rank > max_rank:
+            raise AdapterError(f"adapter {name!r}: rank {info.rank} is above max_rank {max_rank}")
 
     def load(
         self,
@@ -620,10 +696,9 @@ class AdapterReader:
                 a[s, : m.rank].copy_(a_t)
                 b[start : start + size, : m.rank].copy_(b_t[row : row + size])
                 row += size
-        saved_base = {
+        saved_base = {  # (each a served embedding's or LM head's: check() passed)
             ref: tensors[key]
-            for key in tensors
-            if (module := parse_base_layer_key(key)) is not None
-            and (ref := self.module_map(module)) is not None
+            for module, key in _pair_keys(name, tensors, self._known_module)[1].items()
+            if (ref := self.module_map(module)) is not None
         }
         return image, info.rank, saved_base

@@ -183,7 +183,8 @@ def peft_untargeted_reason(config: dict[str, Any], module: str) -> str | None:
         return f"{where} exclude_modules {exclude!r} excludes it"
     targets = config.get("target_modules")
     unselected = f"{where} target_modules {targets!r} does not select it"
-    if targets == "all-linear":  # PEFT expands it to every linear but the output layer
+    if isinstance(targets, str) and targets.lower() == "all-linear":  # (PEFT lower-cases it)
+        # PEFT expands it to every linear but the output layer
         return None if module.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens") else unselected
     if isinstance(targets, str):
         return None if re.fullmatch(targets, module) is not None else unselected
@@ -310,7 +311,12 @@ CONFIG_FIELDS = frozenset(
         "ensure_weight_tying",
         "megatron_core",
         "qalora_group_size",
+        # an initialisation's own settings: PEFT ignores each unless init_lora_weights names
+        # its initialisation (those that rewrite the base weights are refused by name)
         "eva_config",
+        "loftq_config",
+        "corda_config",
+        "lora_ga_config",
         # where PEFT offloads DoRA's and some initialisations' work (LoraRuntimeConfig): it
         # changes no plain LoRA's weights or outputs, and PEFT does not save it
         "runtime_config",

@@ -67,6 +67,9 @@ class LlamaConfig:
     # RoPE on the first rotary_dim of each head's dims, the rest passed through (Phi-3's
     # partial_rotary_factor); None: all of head_dim
     rotary_dim: int | None = None
+    # Phi-3: the checkpoint's q/k/v and gate/up are one module each (qkv_proj, gate_up_proj),
+    # so its adapters name those, never q_proj, ..., which the model does not have
+    packed_modules: bool = False
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
@@ -174,6 +177,7 @@ def hf_fields(hf: Any, model_type: str) -> dict[str, Any]:
         layer_types=layer_types,
         qk_norm=model_type == "qwen3",
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+        packed_modules=model_type == "phi3",
     )
 
 
@@ -366,9 +370,10 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
     the token embedding (``embedding``) and the LM head (``per_segment``: it sees each
     request's last token). With tied embeddings the two stay separate targets: an LM-head
     delta changes the logits only, never the input embedding (as in PEFT). An adapter names
-    q/k/v and gate/up as separate modules (Llama's checkpoints) or as one packed module
-    (``qkv_proj``, ``gate_up_proj``: Phi-3's)."""
+    q/k/v and gate/up as the model's checkpoint does: separate modules (Llama's), or one
+    packed module each (``qkv_proj``, ``gate_up_proj``: Phi-3's; ``packed_modules``)."""
     c = config
+    packed = c.packed_modules
     attn, mlp = "model.layers.{layer}.self_attn.{slice}", "model.layers.{layer}.mlp.{slice}"
     return {
         "qkv_proj": LoraTarget(
@@ -377,7 +382,7 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
             "column",
             ("q_proj", "k_proj", "v_proj"),
             slice_units=(c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads),
-            slice_packs=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+            slice_packs=(("qkv_proj", ("q_proj", "k_proj", "v_proj")),) if packed else None,
             module_path="layers.{layer}.self_attn.qkv_proj",
             checkpoint_names=(attn,),
         ),
@@ -390,7 +395,7 @@ def lora_targets(config: LlamaConfig) -> dict[str, LoraTarget]:
             (c.intermediate_size,) * 2,
             "column",
             ("gate_proj", "up_proj"),
-            slice_packs=(("gate_up_proj", ("gate_proj", "up_proj")),),
+            slice_packs=(("gate_up_proj", ("gate_proj", "up_proj")),) if packed else None,
             module_path="layers.{layer}.mlp.gate_up_proj",
             checkpoint_names=(mlp,),
         ),
