@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import torch
 
 from lora_graph.config import package_version
+from lora_graph.detokenize import completion_text
 from lora_graph.engine import Request, RequestOutput, SamplingParams, check_text
 from lora_graph.launch import CliError, build_engine, check_engine_args, engine_from_args
 from lora_graph.request_files import (
@@ -129,7 +130,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         if out.error is not None and not out.error.startswith(line) and args.requests:
             out.error = f"{line} {out.error}"  # refused by the engine: name the line too
         out.id = out_id
-        results.append(output_json(out, tokenizer))
+        results.append(output_json(out, tokenizer, r, engine.eos_token_ids))
     if not args.requests and results[0].get("error") is not None:
         raise CliError(results[0]["error"])  # one prompt: its refusal is the command's
     _write_results("".join(json.dumps(result) + "\n" for result in results), args.output, stdout)
@@ -321,7 +322,9 @@ def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
     outputs = engine.generate(requests)
     elapsed = time.perf_counter() - start
     for req, out in zip(requests, outputs, strict=True):
-        text = out.error or tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        text = out.error or completion_text(
+            tokenizer, req.prompt_token_ids, out.token_ids, engine.eos_token_ids
+        )
         prompt = tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
         print(f"[{req.adapter or 'base':>8}] {prompt!r} -> {text!r}", file=stdout)
     generated = sum(len(o.token_ids) for o in outputs)

@@ -5,9 +5,11 @@ and the results written back as JSON."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from lora_graph.detokenize import completion_text
 from lora_graph.engine import Request, RequestOutput, SamplingParams, check_text
 from lora_graph.launch import CliError
 
@@ -143,11 +145,21 @@ def request_from_json(
     return Request(rid, ids, adapter, sampling)
 
 
-def output_json(out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+def output_json(
+    out: RequestOutput, tokenizer: Any, request: Request, eos_token_ids: Collection[int]
+) -> dict[str, Any]:
+    """One output line: ``{"id", "adapter", "token_ids", "text", "finish_reason"}`` (``text``
+    as a server streams it, :func:`~lora_graph.detokenize.completion_text`: after the
+    prompt, without the EOS or stop token that ended it; None without a tokenizer), or
+    ``{"id", "error"}``."""
     if out.error is not None:
         return {"id": out.id, "error": out.error}
+    s = request.sampling
+    stop_tokens = {*s.stop_token_ids, *(() if s.ignore_eos else eos_token_ids)}
     text = (
-        tokenizer.decode(out.token_ids, skip_special_tokens=True) if tokenizer is not None else None
+        completion_text(tokenizer, request.prompt_token_ids, out.token_ids, stop_tokens)
+        if tokenizer is not None
+        else None
     )
     return {
         "id": out.id,

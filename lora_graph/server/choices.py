@@ -4,19 +4,27 @@ stop strings that end it (cut from the text, never returned)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from lora_graph.detokenize import Detokenizer
 from lora_graph.engine import RequestOutput, TokenLogprob
 from lora_graph.server.protocol import APIError
 
 
 @dataclass
 class Choice:
-    """One of a request's ``n`` choices, served by the engine request ``request_id``."""
+    """One of a request's ``n`` choices, served by the engine request ``request_id``.
+
+    Its text is its tokens decoded after its prompt (``detok``: a SentencePiece word keeps
+    its leading space); the EOS or stop token that ends it (``stop_tokens``: the engine's
+    rule) adds no text, and stop strings count from ``min_tokens`` tokens on, as in vLLM.
+    """
 
     index: int
     request_id: str
     stops: list[str]
+    detok: Detokenizer
+    stop_tokens: frozenset[int] = frozenset()
+    min_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     finish_reason: str | None = None
@@ -31,24 +39,26 @@ class Choice:
     tool_sent: int = 0  # characters of its text streamed as content (with tools)
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (with its first token)
 
-    def on_token(self, token: int, tokenizer: Any) -> str:
+    def on_token(self, token: int) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the
         choice (``finish_reason`` ``"stop"``, the string cut); text that may be the start
         of a stop string, or an incomplete character, is held back until it is not."""
         self.tokens.append(token)
-        full = tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for stop in self.stops:
-            at = full.find(stop)
-            if at >= 0:
-                full = full[:at]
+        if token in self.stop_tokens:  # the engine ends the request on it
+            return ""
+        start = len(self.detok.text)
+        if not self.detok.add(token):
+            return ""
+        full = self.detok.text
+        if len(self.tokens) >= self.min_tokens:
+            longest = max((len(stop) for stop in self.stops), default=0)
+            start = max(len(self.text), start - longest + 1)
+            hits = [at for stop in self.stops if (at := full.find(stop, start)) >= 0]
+            if hits:
                 self.finish_reason = "stop"
                 self.done = True
-                break
-        else:
-            if full.endswith("\ufffd"):  # an incomplete character: wait for the rest
-                return ""
-            full = full[: len(full) - self._held_back(full)]
-        return self._emit(full)
+                return self._emit(full[: min(hits)])
+        return self._emit(full[: len(full) - self._held_back(full)])
 
     def _held_back(self, full: str) -> int:
         """How many final characters of ``full`` may be the start of a stop string."""
@@ -58,13 +68,13 @@ class Choice:
                 return k
         return 0
 
-    def _emit(self, full: str) -> str:
-        if not full.startswith(self.text):
-            return ""
-        new, self.text = full[len(self.text) :], full
+    def _emit(self, upto: str) -> str:
+        """Emit the text up to the end of ``upto`` (a prefix of ``detok.text``)."""
+        new = upto[len(self.text) :]
+        self.text += new
         return new
 
-    def on_finish(self, out: RequestOutput, tokenizer: Any) -> str:
+    def on_finish(self, out: RequestOutput) -> str:
         """Take the engine request's end; return the text it newly emits (what was held
         back). An aborted request ends as ``"abort"``.
 
@@ -84,7 +94,5 @@ class Choice:
                 raise APIError(500, out.error)
         else:
             self.finish_reason = out.finish_reason
-        full = tokenizer.decode(self.tokens, skip_special_tokens=True)
-        new = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text = full
-        return new
+        self.detok.finish()
+        return self._emit(self.detok.text)

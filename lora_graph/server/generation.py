@@ -87,10 +87,10 @@ class Generation:
                 choice.logprobs.append(logprob)
             if prompt_logprobs is not None:
                 choice.prompt_logprobs = prompt_logprobs
-            return choice.on_token(token, self.serving.tokenizer)
+            return choice.on_token(token)
         if choice.prompt_logprobs is None and value.prompt_logprobs is not None:
             choice.prompt_logprobs = value.prompt_logprobs
-        return choice.on_finish(value, self.serving.tokenizer)
+        return choice.on_finish(value)
 
     def tool_calls(self, out: dict[str, Any], message: dict[str, Any]) -> None:
         """Read a chat answer's tool calls (``tool_mode``: :mod:`lora_graph.server.tools`)

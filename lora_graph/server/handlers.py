@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.sse import EventSourceResponse
 
 from lora_graph.config import ADAPTER_NAME, AdapterError
+from lora_graph.detokenize import Detokenizer
 from lora_graph.engine import LLMEngine, Request, RequestOutput, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
@@ -144,7 +145,15 @@ class OpenAIServing:
         base = uuid.uuid4().hex
         stops = stops_of(gen.body)
         n = gen.n
-        gen.choices = [Choice(i, f"{base}-{i}", stops) for i in range(n * len(prompts))]
+        eos = frozenset(self.engine.eos_token_ids)
+
+        def choice(i: int) -> Choice:
+            s = sampling[i // n]
+            stop_tokens = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else eos)
+            detok = Detokenizer(self.tokenizer, prompts[i // n])
+            return Choice(i, f"{base}-{i}", stops, detok, stop_tokens, s.min_tokens)
+
+        gen.choices = [choice(i) for i in range(n * len(prompts))]
         gen.prompts = prompts
 
         def put(item: Any) -> None:
