@@ -441,3 +441,51 @@ def test_a_kernel_policy_is_frozen_and_checked():
     assert LoRAConfig(kernel_policy=KernelPolicy(side_stream_max_rows=0)).kernel_policy == (
         KernelPolicy(side_stream_max_rows=0)
     )
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2-style fast tokenizer (SentencePiece's Metaspace, byte fallback, a decoder
+    that strips the text's first space), as transformers' LlamaConverter builds one: letters,
+    "▁the" and the 256 byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), "▁",
+              *"abcdefghijklmnopqrstuvwxyz", "▁t", "▁th", "▁the"]  # fmt: skip
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e")]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tk = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tk.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+
+
+def test_detokenizer_keeps_the_leading_space_and_waits_for_whole_characters():
+    """A SentencePiece completion's first word keeps its space (decoding the generated
+    tokens alone drops it: a helper found " the quick" served as "the quick"); its text is
+    what the whole sequence's text adds to the prompt's, streamed or not; a character split
+    over byte tokens comes whole; the EOS or stop token that ended it adds no text; and
+    each token decodes a short window, not the whole output (once quadratic)."""
+    from lora_graph.detokenize import Detokenizer, completion_text
+
+    tok = _sentencepiece_tokenizer()
+    prompt = tok("hello world", add_special_tokens=False)["input_ids"]
+    out = tok("hello world the quick 日 fox", add_special_tokens=False)["input_ids"][len(prompt) :]
+    whole = tok.decode(prompt + out, skip_special_tokens=True)
+    want = whole[len(tok.decode(prompt, skip_special_tokens=True)) :]
+    assert want == " the quick 日 fox" and tok.decode(out) == "the quick 日 fox"
+    assert completion_text(tok, prompt, out) == want
+    windows = []
+    decode = tok.decode
+    tok.decode = lambda ids, **kw: windows.append(len(ids)) or decode(ids, **kw)  # type: ignore[method-assign]
+    detok = Detokenizer(tok, prompt)
+    deltas = [detok.add(t) for t in out * 20]
+    tok.decode = decode  # type: ignore[method-assign]
+    assert "".join(deltas) == detok.text and detok.text.startswith(want + " the quick 日")
+    assert max(windows) <= 8  # (the prompt's last tokens and a pending character's bytes)
+    assert "日" in deltas and "" in deltas  # its 3 byte tokens: "" twice, then the character
+    eos = tok.convert_tokens_to_ids("</s>")
+    assert completion_text(tok, prompt, [*out, eos], {eos}) == want
+    assert completion_text(tok, prompt, out, {out[-1]}) == completion_text(tok, prompt, out[:-1])

@@ -582,3 +582,28 @@ def test_tool_choice_named_required_auto_and_streamed(srv):
     err = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": hello,
                "tools": [WEATHER]}, 400)  # fmt: skip
     assert "the model's chat template takes no tools" in err["error"]["message"]
+
+
+def test_stop_tokens_add_no_text_and_stop_strings_wait_for_min_tokens(srv):
+    """vLLM's rules, which a helper found broken: a ``stop_token_ids`` token ends the choice
+    and stays in its tokens, but its text is not returned (it was), whole or streamed; stop
+    strings are not looked for before ``min_tokens`` tokens (one stopped the choice at its
+    first token)."""
+    ref = srv.refs[(0, None)]
+    stop = next(i for i in range(1, 6) if ref[i] not in ref[:i])
+    body = {"model": MODEL, "prompt": srv.prompts[0], "max_tokens": 6, "temperature": 0}
+    out = post(srv, "/v1/completions", {**body, "stop_token_ids": [ref[stop]]})
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["text"] == srv.text(ref[:stop]) != srv.text(ref[: stop + 1])
+    assert out["usage"]["completion_tokens"] == stop + 1
+    r = srv.http.post(
+        "/v1/completions", json={**body, "stop_token_ids": [ref[stop]], "stream": True}
+    )
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert "".join(c["text"] for ch in chunks for c in ch["choices"]) == srv.text(ref[:stop])
+    first = srv.text(ref[:1])
+    out = post(srv, "/v1/completions", {**body, "stop": [first]})
+    assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 1
+    out = post(srv, "/v1/completions", {**body, "stop": [first], "min_tokens": 3})
+    assert out["usage"]["completion_tokens"] >= 3
+    assert out["choices"][0]["text"].startswith(first + srv.text(ref[1:3]))
