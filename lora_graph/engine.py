@@ -546,6 +546,8 @@ class LLMEngine:
         record_prompt_logprobs(self.pipeline, inputs)
         self.steps["decode" if all(n == 1 for _, n in scheduled) else "prefill"] += 1
         for c in inputs.chunks:
+            if c.owner.done:  # finished by the read-back above: its pages are given back
+                continue
             c.owner.computed += len(c.token_ids)
             self.scheduler.prefix_cache.commit(c.owner)  # (read by later steps only)
         for s in seqs:

@@ -325,3 +325,26 @@ def test_gpu_cuda_graphs_reuse_cached_pages(tiny_factory, reference_factory, kin
         assert [o.token_ids for o in hot] == [o.token_ids for o in cold], phase
         for o, tail in zip(hot, tails, strict=True):
             assert o.token_ids == ref.greedy(shared + tail, name, 6), (phase, o.id)
+
+
+def test_a_request_ended_by_the_mid_step_read_back_commits_nothing(tiny, reference_factory):
+    """Asynchronous scheduling reads the previous step back in the middle of a step when a
+    row processes its logits (a penalty, ``logit_bias``, a grammar); a request that read
+    back ends (its stop token) gave its pages back, yet the step went on to count it computed
+    and commit its pages: with one-token pages an IndexError out of ``step`` (a helper's
+    find), with larger ones a write into a freed request."""
+    ref = reference_factory(tiny)
+    ids = prompts(3, seed=331)
+    want = [ref.greedy(p, a, 6) for p, a in zip(ids, ["A", None, "B"], strict=True)]
+    unused = next(t for t in range(100) if t not in want[0])
+    stop = want[0][2]
+    engine = LLMEngine(make_pipeline(tiny, page_size=1, load=("A", "B")), async_scheduling=True)
+    biased = SamplingParams(6, logit_bias=((unused, -100.0),), stop_token_ids=(stop,))
+    outs = engine.generate(
+        [Request("stops", ids[0], "A", biased)]
+        + [Request(f"r{i}", ids[i], a, SamplingParams(6)) for i, a in ((1, None), (2, "B"))]
+    )
+    assert outs[0].token_ids == want[0][: want[0].index(stop) + 1]
+    assert outs[0].finish_reason == "stop"
+    assert [o.token_ids for o in outs[1:]] == want[1:]
+    assert engine.pages.num_free == engine.pages.capacity  # (cached pages count as free)
