@@ -368,12 +368,16 @@ class LLMEngine:
             raise ValueError("the model is an encoder: it embeds (embed), it does not generate")
         manager = self.pipeline.manager
         LoraReqConfig(request.adapter).validate(manager.loras if manager is not None else ())
+        if not isinstance(request.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {request.sampling!r}")
         request.sampling.validate()
         if request.cache_salt is not None and (
             not isinstance(request.cache_salt, str) or not request.cache_salt
         ):
             raise ValueError("cache_salt must be a non-empty string")
         prompt = request.prompt_token_ids
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {prompt!r}"[:200])
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.pipeline.config.vocab_size

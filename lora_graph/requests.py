@@ -133,8 +133,17 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}"
             )
+        if not isinstance(self.logit_bias, (tuple, list)):  # (OpenAI's dict: its items())
+            raise ValueError(
+                f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}"[:200]
+            )
         for pair in self.logit_bias:
-            if len(pair) != 2 or not is_int(pair[0]) or not is_finite_number(pair[1]):
+            if (
+                not isinstance(pair, (tuple, list))
+                or len(pair) != 2
+                or not is_int(pair[0])
+                or not is_finite_number(pair[1])
+            ):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
             if not -100 <= pair[1] <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {pair[1]!r}")

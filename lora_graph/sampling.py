@@ -40,7 +40,7 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         return int(torch.argmax(logits).item())
     if not bool(torch.isfinite(logits).any()):
         raise ValueError("no token is allowed (every logit is masked)")
-    logits = (logits - logits.max()) / params.temperature
+    logits = (logits - logits.max()) / float(params.temperature)  # (an int may pass int64)
     if params.min_p > 0:  # (the most likely token has probability ratio 1: always kept)
         logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k > 0:

@@ -609,6 +609,33 @@ WEIRD_VALUES = [
 FIELDS = [*sorted(REQUEST_FIELDS), "unknown"]
 
 
+def test_any_odd_value_in_the_python_api_finishes_its_request_with_an_error(tiny):
+    """``add_request`` never raises for a bad value (each request finishes at once with an
+    error naming it, nothing else affected): every SamplingParams field and the request's
+    own at each odd value. A helper found ``logit_bias={7: 5.0}`` (OpenAI's shape) and
+    ``sampling=None`` raised out of ``generate``, leaving the requests before in flight."""
+    engine = LLMEngine(make_pipeline(tiny, load=()))
+    odd = [*WEIRD_VALUES, {7: 5.0}, [(7, 5.0, 1)], [7], (("7", 1.0),)]
+    requests = [
+        Request(
+            f"{f.name}={v!r}", [1, 2, 3], None, dataclasses.replace(SamplingParams(), **{f.name: v})
+        )
+        for f in dataclasses.fields(SamplingParams)
+        for v in odd
+    ]
+    requests += [Request(f"sampling={v!r}", [1, 2], None, v) for v in odd]
+    requests += [Request(f"prompt={v!r}", v, None, SamplingParams()) for v in odd]
+    for r in requests:
+        engine.add_request(r)  # (never raises)
+    refused = {r.id: engine.finished[r.id].error for r in requests if r.id in engine.finished}
+    for name in ("logit_bias={7: 5.0}", "sampling=None", "prompt=-1", "logit_bias=None"):
+        assert refused[name], name
+    assert refused["logit_bias={7: 5.0}"].startswith("logit_bias must be (token id, bias) pairs")
+    assert len(refused) > len(requests) * 3 // 4  # (the rest are odd but valid: served)
+    served = engine.generate([Request("after", [1, 2, 3], None, SamplingParams(max_new_tokens=2))])
+    assert served[0].error is None and len(served[0].token_ids) == 2
+
+
 def _mutate_line(rng: random.Random, req: dict) -> bytes:
     req = dict(req)
     kind = rng.randrange(4)
