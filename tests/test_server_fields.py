@@ -607,3 +607,25 @@ def test_stop_tokens_add_no_text_and_stop_strings_wait_for_min_tokens(srv):
     out = post(srv, "/v1/completions", {**body, "stop": [first], "min_tokens": 3})
     assert out["usage"]["completion_tokens"] >= 3
     assert out["choices"][0]["text"].startswith(first + srv.text(ref[1:3]))
+
+
+@pytest.mark.parametrize("chars_a_token, read", [(100, [512, 700]), (10, [512])])
+def test_a_text_prompt_of_long_tokens_is_read_whole(chars_a_token, read):
+    """A text prompt is read 64 characters a position past ``max_seq_len`` first (a huge
+    one need not be tokenized whole to be refused); the rest was dropped silently, but
+    tokens can be longer (SmolLM2's runs of spaces and symbols: a helper's 443-token prompt
+    was served as its first 405). Now a first part that fits means all of it is read."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lora_graph.server.handlers import OpenAIServing
+
+    lengths = []
+
+    def tokenizer(text, add_special_tokens):
+        lengths.append(len(text))
+        return {"input_ids": list(range(len(text) // chars_a_token))}
+
+    serving = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(max_seq_len=8))
+    ids = asyncio.run(OpenAIServing._tokenize(serving, "x" * 700, "prompt", True))  # type: ignore[arg-type]
+    assert lengths == read and len(ids) == read[-1] // chars_a_token

@@ -217,7 +217,8 @@ class OpenAIServing:
         where = "messages" if chat else "prompt"
         for k, ids in enumerate(prompts):
             if len(ids) >= limit:  # (a text prompt is read up to 64 characters a position)
-                which = f"{where}[{k}]" if len(prompts) > 1 else f"the {where.rstrip('s')}"
+                which = f"{where}[{k}]" if len(prompts) > 1 else "the prompt"
+                which += " (the messages through the chat template)" if chat else ""
                 raise APIError(
                     400,
                     f"{which} has {len(ids)} tokens or more; at most {limit - 1} fit (max_seq_len)",
@@ -264,23 +265,30 @@ class OpenAIServing:
             return await gen.whole()
         return EventSourceResponse(gen.stream())
 
-    async def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    async def _tokenize(
+        self, text: str, param: str, add_special_tokens: bool, *, whole: bool = False
+    ) -> list[int]:
         """Token ids of ``text`` (off the event loop: a long text must not stall other
-        connections); read up to 64 characters a position past ``max_seq_len`` (the
-        length check then refuses it).
+        connections). Unless ``whole``, read 64 characters a position past ``max_seq_len``
+        first: if those are already too many tokens, the length check refuses them ("N
+        tokens or more"); if not (tokens that long: runs of spaces or symbols), all of it.
 
         Raises:
             APIError: 400 for text no tokenizer can encode.
         """
         _text_or_400(text, param, param.split("[", 1)[0])
-        text = text[: 64 * self.engine.max_seq_len]
+
+        def ids_of(part: str) -> list[int]:
+            return list(self.tokenizer(part, add_special_tokens=add_special_tokens)["input_ids"])
+
+        cut = text if whole else text[: 64 * self.engine.max_seq_len]
         try:
-            return await asyncio.to_thread(
-                lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens)[
-                    "input_ids"])
-            )  # fmt: skip
+            ids = await asyncio.to_thread(ids_of, cut)
+            if len(cut) < len(text) and len(ids) < self.engine.max_seq_len:
+                ids = await asyncio.to_thread(ids_of, text)  # (it was cut silently before)
         except Exception as e:  # noqa: BLE001 - text the tokenizer cannot encode
             raise APIError(400, f"{param} cannot be tokenized: {e}", param=param) from e
+        return ids
 
     async def _prompts_of(self, body: CompletionBody) -> tuple[list[list[int]], list[str | None]]:
         """A completions ``prompt`` as token ids (text, token ids, or a list of either),
@@ -357,11 +365,11 @@ class OpenAIServing:
             )
         return template
 
-    async def _render(self, body: Any) -> list[int]:
+    async def _render(self, body: Any, *, whole: bool = False) -> list[int]:
         """The chat prompt's token ids: the messages through the template, with
         ``add_generation_prompt`` / ``continue_final_message`` / ``chat_template_kwargs``
         (vLLM's), tokenized with ``add_special_tokens`` (default false: the template has
-        them)."""
+        them); ``whole``: see :meth:`_tokenize`."""
         template = self._template()
         messages = self._messages(body.messages)
         add_generation = body.add_generation_prompt
@@ -397,7 +405,7 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             raise APIError(400, f"the chat template refused the messages: {e}") from e
         add = bool(body.add_special_tokens)
-        return await self._tokenize(text, "the rendered chat prompt", add)
+        return await self._tokenize(text, "the rendered chat prompt", add, whole=whole)
 
     async def chat(self, http: HTTPRequest, body: ChatBody) -> Any:
         """``POST /v1/chat/completions``: the messages through the chat template."""
@@ -422,9 +430,9 @@ class OpenAIServing:
             raise APIError(400, "give prompt or messages (one of them)", param="prompt")
         if body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = await self._tokenize(body.prompt, "prompt", add)
+            tokens = await self._tokenize(body.prompt, "prompt", add, whole=True)
         else:
-            tokens = await self._render(body)
+            tokens = await self._render(body, whole=True)
         return {"count": len(tokens), "max_model_len": self.engine.max_seq_len, "tokens": tokens}
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
