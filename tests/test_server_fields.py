@@ -629,3 +629,18 @@ def test_a_text_prompt_of_long_tokens_is_read_whole(chars_a_token, read):
     serving = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(max_seq_len=8))
     ids = asyncio.run(OpenAIServing._tokenize(serving, "x" * 700, "prompt", True))  # type: ignore[arg-type]
     assert lengths == read and len(ids) == read[-1] // chars_a_token
+
+
+def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
+    """A temperature in (0, 0.01) (AutoGen sends 1e-5) is raised to 0.01 and a negative
+    seed (clients send -1) wraps mod 2**64, as vLLM takes them; both were refused (400)."""
+    body = {"model": "pirate", "prompt": srv.prompts[0], "max_tokens": 6}
+
+    def text(**kw):
+        return post(srv, "/v1/completions", {**body, **kw})["choices"][0]["text"]
+
+    assert text(temperature=1e-5, seed=3) == text(temperature=0.01, seed=3)
+    assert text(temperature=1.0, seed=-1) == text(temperature=1.0, seed=2**64 - 1)
+    assert text(temperature=1.0, seed=-1) != text(temperature=1.0, seed=1)
+    err = post(srv, "/v1/completions", {**body, "seed": -(2**63) - 1}, 400)["error"]
+    assert "seed must be an integer in [0, 2**64)" in err["message"]

@@ -68,10 +68,14 @@ FIELDS: dict[str, Rule] = {
         "tokens to generate at most; left out: 16 on completions (OpenAI's default, "
         "`--default-max-tokens`), up to the context on chat",
     ),
-    "temperature": Rule(SERVED, "0 is greedy; below 0.01 (but not 0) refused as unstable"),
+    "temperature": Rule(SERVED, "0 is greedy; below 0.01 (but not 0) raised to 0.01, as vLLM"),
     "top_p": Rule(SERVED, "nucleus sampling, in (0, 1]"),
     "n": Rule(SERVED, "choices per prompt, 1-16; choice i draws with seed + i"),
-    "seed": Rule(SERVED, "seeds the request's own generator: the same seed, the same text"),
+    "seed": Rule(
+        SERVED,
+        "the request's own generator: the same seed, the same text; a "
+        "negative seed (64-bit) wraps mod 2**64",
+    ),
     "stop": Rule(SERVED, "up to 4 strings; the text is cut before the first one"),
     "stream": Rule(SERVED, "server-sent events, OpenAI's chunk objects, then `[DONE]`"),
     "stream_options": Rule(SERVED, "`include_usage`: a last chunk with the usage and no choices"),

@@ -5,13 +5,16 @@ its stop strings, and its grammar (:class:`Grammars`, compiled off the event loo
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from lora_graph.engine import LLMEngine, SamplingParams
 from lora_graph.grammar import GrammarCompiler, GrammarError
-from lora_graph.requests import MAX_LOGPROBS
+from lora_graph.requests import MAX_LOGPROBS, MIN_TEMPERATURE
 from lora_graph.server.protocol import APIError, ChatBody
 from lora_graph.server.tools import call_schema
+
+log = logging.getLogger(__name__)
 
 
 def stops_of(body: Any) -> list[str]:
@@ -78,12 +81,20 @@ def sampling_of(
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM's -1: every token
     logprobs, prompt_logprobs = logprobs_of(body)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if 0 < temperature < MIN_TEMPERATURE:  # vLLM's rule (AutoGen sends 1e-5): raised to it
+        log.warning("temperature %g raised to %g (below it sampling is unstable)",
+                    temperature, MIN_TEMPERATURE)  # fmt: skip
+        temperature = MIN_TEMPERATURE
+    seed = body.seed  # vLLM takes any 64-bit integer (clients send -1): a negative one wraps
+    if seed is not None and -(2**63) <= seed < 0:
+        seed %= 2**64
     s = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=temperature,
         top_k=top_k,
         top_p=1.0 if body.top_p is None else body.top_p,
-        seed=body.seed,
+        seed=seed,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
