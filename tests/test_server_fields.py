@@ -246,6 +246,11 @@ def test_a_body_that_is_not_a_json_object_is_named(srv):
     )
     r = srv.http.post("/v1/completions", json=[1, 2])
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/tokenize"):  # (no body)
+        r = srv.http.post(route, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "the body is empty; send a JSON object"
+        ), r.text
 
 
 def test_a_list_of_prompts_gets_a_choice_set_each(srv):

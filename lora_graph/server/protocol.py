@@ -84,6 +84,8 @@ def validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
     if not where and error.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "the body must be a JSON object, sent with Content-Type: application/json", None
     if error.get("type") == "missing":
+        if not where:  # (no body at all)
+            return "the body is empty; send a JSON object (Content-Type: application/json)", None
         return f"{where} is required", field_name
     if where:
         message = f"{where}: {message}"

@@ -111,7 +111,8 @@ def sampling_of(
         s.validate()
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), param=param if hasattr(body, param) else None) from e
+        message = str(e).replace("max_new_tokens", "max_tokens")  # (the body's name)
+        raise APIError(400, message, param=param if hasattr(body, param) else None) from e
     return s
 
 
