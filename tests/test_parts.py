@@ -489,3 +489,9 @@ def test_detokenizer_keeps_the_leading_space_and_waits_for_whole_characters():
     eos = tok.convert_tokens_to_ids("</s>")
     assert completion_text(tok, prompt, [*out, eos], {eos}) == want
     assert completion_text(tok, prompt, out, {out[-1]}) == completion_text(tok, prompt, out[:-1])
+    # a logprob's token text keeps the space its piece holds, as the completion's text does
+    from lora_graph.server.logprobs import token_text
+
+    the, t = tok.convert_tokens_to_ids(["▁the", "t"])
+    assert tok.decode([the]) == "the" and token_text(tok, the) == " the"
+    assert token_text(tok, t) == "t" and token_text(tok, eos) == "</s>"

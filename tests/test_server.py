@@ -288,7 +288,7 @@ def test_chat_needs_a_template_then_matches(served, client):
             {"model": MODEL, "prompt": "a\ud800"},
             "prompt is not valid Unicode text (surrogates not allowed at 1)",
         ),
-        ({"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
+        ({"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, "seed"),  # (-1 wraps)
         # OpenAI and vLLM refuse stream options for a response that is not streamed
         (
             {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},

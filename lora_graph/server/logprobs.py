@@ -21,8 +21,16 @@ from typing import Any
 from lora_graph.requests import TokenLogprob
 
 
-def _text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+def token_text(tokenizer: Any, token: int) -> str:
+    """One token's text, decoded alone, with the leading spaces a SentencePiece decoder
+    strips from a text's start put back from its piece (``"▁the"`` is ``" the"``, as the
+    completion's text has it), as vLLM's ``convert_ids_list_to_tokens`` does."""
+    text = str(tokenizer.decode([token]))
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str) and piece.startswith("▁"):
+        missing = (len(piece) - len(piece.lstrip("▁"))) - (len(text) - len(text.lstrip(" ")))
+        text = " " * max(0, missing) + text
+    return text
 
 
 def completion_logprobs(
@@ -31,7 +39,7 @@ def completion_logprobs(
     """OpenAI's completions ``logprobs`` object for ``tokens`` (``entries[i]`` the
     logprobs of ``tokens[i]``, None for a prompt's first token); ``text_offset`` counts
     from ``offset`` characters into the choice's text, one token's text after another."""
-    texts = [_text(tokenizer, t) for t in tokens]
+    texts = [token_text(tokenizer, t) for t in tokens]
     offsets = []
     for t in texts:
         offsets.append(offset)
@@ -41,8 +49,8 @@ def completion_logprobs(
         if e is None:
             top.append(None)
             continue
-        d = {_text(tokenizer, t): lp for t, lp in e.top}
-        d.setdefault(_text(tokenizer, e.token), e.logprob)
+        d = {token_text(tokenizer, t): lp for t, lp in e.top}
+        d.setdefault(token_text(tokenizer, e.token), e.logprob)
         top.append(d)
     return {
         "tokens": texts,
@@ -56,7 +64,7 @@ def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> dict[str, Any]
     """OpenAI's chat ``logprobs`` object: ``{"content": [...]}``, one entry a token."""
 
     def one(token: int, logprob: float) -> dict[str, Any]:
-        text = _text(tokenizer, token)
+        text = token_text(tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {
@@ -82,12 +90,12 @@ def vllm_prompt_logprobs(
             str(e.token): {
                 "logprob": e.logprob,
                 "rank": e.rank,
-                "decoded_token": _text(tokenizer, e.token),
+                "decoded_token": token_text(tokenizer, e.token),
             }
         }
         for rank, (t, lp) in enumerate(e.top, start=1):
             d.setdefault(
-                str(t), {"logprob": lp, "rank": rank, "decoded_token": _text(tokenizer, t)}
+                str(t), {"logprob": lp, "rank": rank, "decoded_token": token_text(tokenizer, t)}
             )
         out.append(d)
     return out
