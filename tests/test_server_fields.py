@@ -437,7 +437,7 @@ def test_penalties_and_logit_bias_through_the_sdk(srv):
     for extra, message in [
         ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids, got 'x'"),
         ({"presence_penalty": 3}, "presence_penalty must be a number in [-2, 2], got 3"),
-        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens must be an integer in [0, max_new"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens must be an integer in [0, max_tokens]"),
     ]:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **extra}
         err = post(srv, "/v1/completions", body, 400)["error"]
