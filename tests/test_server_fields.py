@@ -637,8 +637,9 @@ def test_a_text_prompt_of_long_tokens_is_read_whole(chars_a_token, read):
 
 
 def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
-    """A temperature in (0, 0.01) (AutoGen sends 1e-5) is raised to 0.01 and a negative
-    seed (clients send -1) wraps mod 2**64, as vLLM takes them; both were refused (400)."""
+    """A temperature in (0, 0.01) (AutoGen sends 1e-5) is raised to 0.01, a negative seed
+    (clients send -1) wraps mod 2**64, and ``4.0`` is taken for an integer, as vLLM takes
+    them; each was refused (400)."""
     body = {"model": "pirate", "prompt": srv.prompts[0], "max_tokens": 6}
 
     def text(**kw):
@@ -649,3 +650,8 @@ def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
     assert text(temperature=1.0, seed=-1) != text(temperature=1.0, seed=1)
     err = post(srv, "/v1/completions", {**body, "seed": -(2**63) - 1}, 400)["error"]
     assert "seed must be an integer in [0, 2**64)" in err["message"]
+    # an integral float for an integer (vLLM's lax models take it): 4.0 is 4; 4.5 is not
+    out = post(srv, "/v1/completions", {**body, "max_tokens": 4.0, "n": 2.0, "ignore_eos": True})
+    assert len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 8
+    err = post(srv, "/v1/completions", {**body, "max_tokens": 4.5}, 400)["error"]
+    assert err["param"] == "max_tokens", err

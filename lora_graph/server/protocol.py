@@ -4,12 +4,12 @@ fails validation gets (:func:`validation_message`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 try:  # the "serve" extra
     import fastapi  # noqa: F401
     import prometheus_client  # noqa: F401
-    from pydantic import BaseModel, ConfigDict
+    from pydantic import BaseModel, BeforeValidator, ConfigDict
 
     HAVE_SERVER_DEPS = True
 except ImportError:  # pragma: no cover - exercised without the extra
@@ -92,7 +92,15 @@ def validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
     return message, field_name or None
 
 
+def _integral(value: Any) -> Any:
+    """A float with an integer value (``4.0``) as that integer, as vLLM's lax models take
+    it (clients computing a count in floating point send one); anything else as it is."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 if HAVE_SERVER_DEPS:
+    # an integer field: an integral float taken (4.0), anything else strict ("4", 4.5, true)
+    Int = Annotated[int, BeforeValidator(_integral)]
 
     class _Body(BaseModel):
         # loose types ("4" for 4, true for 1) are refused; unknown fields are kept in
@@ -109,16 +117,16 @@ if HAVE_SERVER_DEPS:
         """The fields completions and chat share (fields.FIELDS says what each does)."""
 
         model: str
-        max_tokens: int | None = None
+        max_tokens: Int | None = None
         temperature: float | None = None
         top_p: float | None = None
-        top_k: int | None = None
+        top_k: Int | None = None
         min_p: float | None = None
-        seed: int | None = None
+        seed: Int | None = None
         stop: str | list[str] | None = None
         stop_token_ids: list[int] | None = None
         ignore_eos: bool | None = None
-        n: int | None = None
+        n: Int | None = None
         stream: bool | None = None
         stream_options: StreamOptions | None = None
         user: str | None = None
@@ -126,8 +134,8 @@ if HAVE_SERVER_DEPS:
         frequency_penalty: float | None = None
         repetition_penalty: float | None = None
         logit_bias: dict[str, float] | None = None
-        min_tokens: int | None = None
-        prompt_logprobs: int | None = None
+        min_tokens: Int | None = None
+        prompt_logprobs: Int | None = None
         response_format: JSON | None = None
         use_beam_search: bool | None = None
         length_penalty: float | None = None
@@ -137,7 +145,7 @@ if HAVE_SERVER_DEPS:
         allowed_token_ids: list[int] | None = None
         bad_words: list[str] | None = None
         logits_processors: Any = None
-        truncate_prompt_tokens: int | None = None
+        truncate_prompt_tokens: Int | None = None
         guided_json: Any = None
         guided_regex: str | None = None
         guided_choice: list[str] | None = None
@@ -145,7 +153,7 @@ if HAVE_SERVER_DEPS:
         guided_decoding_backend: str | None = None
         guided_whitespace_pattern: str | None = None
         structural_tag: Any = None
-        priority: int | None = None
+        priority: Int | None = None
         request_id: str | None = None
         return_tokens_as_token_ids: bool | None = None
         cache_salt: str | None = None
@@ -155,9 +163,9 @@ if HAVE_SERVER_DEPS:
 
     class CompletionBody(_Sampling):
         prompt: str | list[int] | list[str] | list[list[int]]
-        logprobs: int | None = None
+        logprobs: Int | None = None
         echo: bool | None = None
-        best_of: int | None = None
+        best_of: Int | None = None
         suffix: str | None = None
 
     class ContentPart(_Body):
@@ -174,8 +182,8 @@ if HAVE_SERVER_DEPS:
     class ChatBody(_Sampling):
         messages: list[ChatMessage]
         logprobs: bool | None = None
-        top_logprobs: int | None = None
-        max_completion_tokens: int | None = None
+        top_logprobs: Int | None = None
+        max_completion_tokens: Int | None = None
         tools: list[JSON] | None = None
         tool_choice: str | JSON | None = None
         parallel_tool_calls: bool | None = None
@@ -207,13 +215,13 @@ if HAVE_SERVER_DEPS:
         model: str
         input: str | list[str] | list[int] | list[list[int]]
         encoding_format: Literal["float", "base64"] = "float"
-        dimensions: int | None = None
+        dimensions: Int | None = None
         user: str | None = None
-        truncate_prompt_tokens: int | None = None
+        truncate_prompt_tokens: Int | None = None
 
     class UnloadBody(_Body):
         lora_name: str
-        lora_int_id: int | None = None
+        lora_int_id: Int | None = None
 
     class TokenizeBody(_Body):
         """vLLM's ``/tokenize``: a prompt, or chat messages through the template."""
