@@ -57,6 +57,13 @@ def _peft_logits(base_dir, adapter_dir, batch):
         return [model(torch.tensor([ids])).logits[0] for ids in batch]
 
 
+def _matches_peft(tiny, pipe, name, path, *, seed):
+    """Adapter ``name`` (loaded from ``path``) serves a prompt as peft does (logits)."""
+    batch = prompts(1, seed=seed)
+    got = run_prefill(pipe, batch, [name])[0]
+    torch.testing.assert_close(got, _peft_logits(tiny.base, path, batch)[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_peft_feature_matches_peft(tiny, feature_adapters, case):
     pipe = make_pipeline(tiny, load=())
@@ -112,13 +119,7 @@ def test_config_without_lora_alpha_uses_peft_default(tiny, tmp_path):
     )
     pipe = make_pipeline(tiny, load=())
     pipe.manager.load_adapter(str(out), name="no_alpha")
-    batch = prompts(1, seed=52)
-    torch.testing.assert_close(
-        run_prefill(pipe, batch, ["no_alpha"])[0],
-        _peft_logits(tiny.base, out, batch)[0],
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    _matches_peft(tiny, pipe, "no_alpha", out, seed=52)
 
 
 @pytest.mark.parametrize(
@@ -154,13 +155,7 @@ def test_config_values_peft_loads_as_plain_lora_are_served(tiny, tmp_path, extra
     )
     pipe = make_pipeline(tiny, load=())
     pipe.manager.load_adapter(str(out), name="extra")
-    batch = prompts(1, seed=53)
-    torch.testing.assert_close(
-        run_prefill(pipe, batch, ["extra"])[0],
-        _peft_logits(tiny.base, out, batch)[0],
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    _matches_peft(tiny, pipe, "extra", out, seed=53)
 
 
 def test_embedding_layers_saved_beside_the_adapter(tiny, tmp_path):
@@ -178,13 +173,7 @@ def test_embedding_layers_saved_beside_the_adapter(tiny, tmp_path):
     assert head in weights and embed in weights
     pipe = make_pipeline(tiny, load=())
     pipe.manager.load_adapter(str(path), name="emb")
-    batch = prompts(1, seed=54)
-    torch.testing.assert_close(
-        run_prefill(pipe, batch, ["emb"])[0],
-        _peft_logits(tiny.base, path, batch)[0],
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    _matches_peft(tiny, pipe, "emb", path, seed=54)
     save_file({**weights, head: weights[head] * 2}, str(path / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match="saved base weight of lm_head differs"):
         pipe.manager.load_adapter(str(path), name="emb2")
