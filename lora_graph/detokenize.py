@@ -16,6 +16,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 CONTEXT = 5  # prompt tokens decoded before the first generated one (vLLM's offset)
+MAX_PENDING = 8  # tokens a window waits for the rest of a character (UTF-8: 4 bytes at most)
 
 
 class Detokenizer:
@@ -29,7 +30,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[len(prompt_ids) - CONTEXT :] if prompt_ids else ())
+        self.ids = list(prompt_ids[max(0, len(prompt_ids) - CONTEXT) :])
         self.prefix = 0  # the window: ids[prefix:], whose ids[prefix:read] are decoded
         self.read = len(self.ids)
         self.text = ""
@@ -52,8 +53,15 @@ class Detokenizer:
             return ""
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
-        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+        if after == before and not final:
+            # a token without text (a skipped special; EOS under ignore_eos): it leaves the
+            # window, which it would only lengthen (every later decode reading it again)
+            self.ids.pop()
             return ""
+        pending = len(self.ids) - self.read  # tokens of a character still incomplete
+        incomplete = len(after) <= len(before) or after.endswith("\ufffd")
+        if not final and incomplete and pending < MAX_PENDING:
+            return ""  # (past MAX_PENDING: bytes that make no character, as U+FFFD)
         new = after[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new

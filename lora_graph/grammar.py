@@ -97,7 +97,9 @@ class GrammarCompiler:
         """Output is exactly one of ``choices``."""
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise GrammarError("the choices must be a non-empty list of non-empty strings")
-        ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
+        # (ensure_ascii off: JSON escapes a character past U+FFFF as two surrogates, which
+        # xgrammar reads as two invalid characters, forcing six bytes of no text)
+        ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         return self._compile("choice", ebnf, self._compiler.compile_grammar, ebnf)
 
     def ebnf(self, grammar: str) -> Grammar:

@@ -486,8 +486,24 @@ def test_detokenizer_keeps_the_leading_space_and_waits_for_whole_characters():
     assert "".join(deltas) == detok.text and detok.text.startswith(want + " the quick 日")
     assert max(windows) <= 8  # (the prompt's last tokens and a pending character's bytes)
     assert "日" in deltas and "" in deltas  # its 3 byte tokens: "" twice, then the character
-    eos = tok.convert_tokens_to_ids("</s>")
+    eos, bos = tok.convert_tokens_to_ids(["</s>", "<s>"])
     assert completion_text(tok, prompt, [*out, eos], {eos}) == want
+    # a prompt shorter than the context, ending in a token without text (a chat template's
+    # [/INST]): the first word keeps its space (only its last token was read: "the")
+    short = [*prompt[:3], bos]
+    the_quick = out[:4]
+    whole = tok.decode(short + the_quick, skip_special_tokens=True)
+    assert completion_text(tok, short, the_quick) == whole[len(tok.decode(short[:3])) :]
+    assert completion_text(tok, short, the_quick).startswith(" ")
+    # tokens without text (EOS under ignore_eos) and bytes that make no character: windows
+    # stay short (each decoded all again a token, once), the text as decoded whole
+    windows.clear()
+    tok.decode = lambda ids, **kw: windows.append(len(ids)) or decode(ids, **kw)  # type: ignore[method-assign]
+    byte80 = tok.convert_tokens_to_ids("<0x80>")
+    text = completion_text(tok, prompt, [eos] * 300 + out[:4] + [byte80] * 30 + out[:4])
+    tok.decode = decode  # type: ignore[method-assign]
+    word = completion_text(tok, prompt, out[:4])
+    assert max(windows) <= 16 and text == word + "\ufffd" * 30 + word, (windows, text)
     assert completion_text(tok, prompt, out, {out[-1]}) == completion_text(tok, prompt, out[:-1])
     # a logprob's token text keeps the space its piece holds, as the completion's text does
     from lora_graph.server.logprobs import token_text

@@ -345,6 +345,15 @@ def test_completion_logprobs_whole_and_streamed(srv):
     got = [x for c in stream if c.choices and c.choices[0].logprobs
            for x in c.choices[0].logprobs.token_logprobs]  # fmt: skip
     assert got == lp["token_logprobs"]
+    # the offsets too, while text is held back for a possible stop string (a helper found
+    # them restarting at the text sent so far); echo puts the prompt's tokens first
+    stop = srv.text(want.token_ids[2:4])
+    for extra in ({"stop": [stop + "\u0000"]}, {"echo": True}):
+        whole = post(srv, "/v1/completions", {**body, **extra})["choices"][0]["logprobs"]
+        stream = list(client(srv).completions.create(stream=True, **body, **extra))
+        offsets = [x for c in stream if c.choices and c.choices[0].logprobs
+                   for x in c.choices[0].logprobs.text_offset]  # fmt: skip
+        assert offsets == whole["text_offset"] == sorted(offsets), extra
 
 
 def test_echo_with_logprobs_as_lm_evaluation_harness_asks(srv):

@@ -132,7 +132,9 @@ def check_200(engine, tokenizer, compiler) -> None:
 def test_json_object_choice_and_ebnf(served):
     engine, tokenizer, compiler = served
     ids = tokenizer("The little dog")["input_ids"]
+    # (a character past U+FFFF: JSON's escape of it, two surrogates, forced 6 bytes of U+FFFD)
     cases = [(compiler.choice(["left", "right"]), lambda t: t in ("left", "right")),
+             (compiler.choice(["yes 😀", "no 🎉"]), lambda t: t in ("yes 😀", "no 🎉")),
              (compiler.ebnf('root ::= "a" ("b" | "c")'), lambda t: t in ("ab", "ac"))]  # fmt: skip
     for i, (grammar, ok) in enumerate(cases):
         out = engine.generate(

@@ -34,7 +34,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, if asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if asked
     logprobs_sent: int = 0  # of ``logprobs``, in parts sent
-    chars_sent: int = 0  # of the text (echo included), in parts sent
+    text_offset: int = 0  # the next token's logprobs text_offset (token texts sent so far)
     started: bool = False  # its first part was sent
     tool_sent: int = 0  # characters of its text streamed as content (with tools)
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (with its first token)

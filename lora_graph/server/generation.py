@@ -195,8 +195,12 @@ class Generation:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt_lps)
         out["text"] = text
         if self.logprobs is not None:
-            out["logprobs"] = completion_logprobs(tokenizer, entries, tokens, c.chars_sent)
-        c.chars_sent += len(text)
+            # offsets count the token texts before (echo included), streamed or not: the
+            # text sent so far lags behind them when a possible stop string is held back
+            lp = completion_logprobs(tokenizer, entries, tokens, c.text_offset)
+            if lp["tokens"]:
+                c.text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            out["logprobs"] = lp
         return out
 
     def usage(self) -> dict[str, Any]:
