@@ -31,6 +31,10 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[max(0, len(prompt_ids) - CONTEXT) :])
+        # a context cut inside a character loses its first bytes (a byte-fallback decoder
+        # blanks a whole run of byte tokens when one is invalid: the output's too)
+        while len(self.ids) > 1 and self._decode(self.ids).startswith("\ufffd"):
+            self.ids.pop(0)
         self.prefix = 0  # the window: ids[prefix:], whose ids[prefix:read] are decoded
         self.read = len(self.ids)
         self.text = ""

@@ -495,6 +495,10 @@ def test_detokenizer_keeps_the_leading_space_and_waits_for_whole_characters():
     whole = tok.decode(short + the_quick, skip_special_tokens=True)
     assert completion_text(tok, short, the_quick) == whole[len(tok.decode(short[:3])) :]
     assert completion_text(tok, short, the_quick).startswith(" ")
+    # a context cut inside a character (the prompt's last 5 tokens start in 日's bytes): a
+    # byte-fallback decoder blanked the output's run of bytes with it ("語" read "���...")
+    cjk = tok("hello 日本語", add_special_tokens=False)["input_ids"]
+    assert completion_text(tok, cjk[:-3], cjk[-3:]) == "語"
     # tokens without text (EOS under ignore_eos) and bytes that make no character: windows
     # stay short (each decoded all again a token, once), the text as decoded whole
     windows.clear()
