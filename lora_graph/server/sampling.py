@@ -87,7 +87,9 @@ def sampling_of(
                     temperature, MIN_TEMPERATURE)  # fmt: skip
         temperature = MIN_TEMPERATURE
     seed = body.seed  # vLLM takes any 64-bit integer (clients send -1): a negative one wraps
-    if seed is not None and -(2**63) <= seed < 0:
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise APIError(400, f"seed must be an integer in [-2**63, 2**64), got {seed}", param="seed")
+    if seed is not None and seed < 0:
         seed %= 2**64
     s = SamplingParams(
         max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
