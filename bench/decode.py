@@ -319,7 +319,10 @@ def variant_policy(switches: dict[str, str], no_side_stream: bool) -> KernelPoli
     return KernelPolicy(
         side_stream_max_rows=0 if no_side_stream else KernelPolicy().side_stream_max_rows,
         fused_silu_decode=switches.get("fused_silu", "1") == "1",
-        reduce_delta_apart=switches.get("reduce_apart", "0") == "1",
+        reduce_delta_apart=switches.get(
+            "reduce_apart", "1" if KernelPolicy().reduce_delta_apart else "0"
+        )
+        == "1",
     )
 
 

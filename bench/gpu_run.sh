@@ -126,14 +126,14 @@ for stage in "$@"; do
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_triton_ops.py \
         -k "tensor_parallel or nccl or side_stream_delta_in_a_graph" 2>&1 | tee "$OUT/gpu_tp.log" | grep -E "bit for bit|passed|failed|Error" | tail -8
       for tp in none 1 none 1; do
-        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants add "apart:reduce_apart=1")
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp" --variants "add:reduce_apart=0" apart)
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp_$tp.json" 2>&1 \
           | tee -a "$OUT/decode_tp_$tp.log" | grep -vi warn | tail -16
       done ;;
     tp1prof)  # where a decode step's time goes at size 1 (collectives, LoRA adds) against plain
       for run in none 1 1apart; do
-        flag=(); [ "$run" = none ] || flag=(--tensor-parallel-size 1)
-        [ "$run" = 1apart ] && flag+=(--reduce-delta-apart)
+        flag=(); [ "$run" = none ] || flag=(--tensor-parallel-size 1 --no-reduce-delta-apart)
+        [ "$run" = 1apart ] && flag=(--tensor-parallel-size 1)
         echo "== profile_step ${flag[*]:-plain}"
         python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 4 --kernels 14 \
           "${flag[@]}" 2>&1 | tee -a "$OUT/profile_tp_$run.log" | grep -vi warn | tail -38
@@ -142,10 +142,10 @@ for stage in "$@"; do
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \
         | tee "$OUT/gpu_tp2.log" | grep -E "bit for bit|generations equal|passed|failed|Error" | tail -8
       for run in none 2 2v; do
-        flag=(); [ "$run" = 2 ] && flag=(--tensor-parallel-size 2)
+        flag=(); [ "$run" = 2 ] && flag=(--tensor-parallel-size 2 --variants "add:reduce_apart=0" apart)
         [ "$run" = 2v ] && flag=(--tensor-parallel-size 2 --vocab-parallel-lm-head)
         python3 bench/decode.py --skip-peft --reps 100 "${flag[@]}" --json "$OUT/decode_tp2_$run.json" 2>&1 \
-          | tee -a "$OUT/decode_tp2_$run.log" | grep -vi warn | tail -8
+          | tee -a "$OUT/decode_tp2_$run.log" | grep "^|"
       done ;;
     tp2serve)  # the 256-request workload, one GPU and 2
       for tp in none 2; do

@@ -153,9 +153,10 @@ def main() -> None:
     )
     p.add_argument(
         "--reduce-delta-apart",
-        action="store_true",
-        help="KernelPolicy.reduce_delta_apart: a row-parallel layer's delta all-reduced beside "
-        "its output",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="KernelPolicy.reduce_delta_apart (default on): a row-parallel layer's delta "
+        "all-reduced beside its output; --no-reduce-delta-apart adds it before",
     )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")

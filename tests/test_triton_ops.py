@@ -1238,9 +1238,12 @@ def test_gpu_side_stream_delta_in_a_graph_and_one_launch_delta(gpu_pools, n):
             d = out[1][: n * t.out_features].view(n, -1)
             live = slot_of > 0
             assert not d[~live].any()
-            # the stacked twin (a row-parallel layer's): the same delta rounded to bfloat16,
-            # beside the base linear with its bias
-            assert torch.equal(out[2][1], d.to(torch.bfloat16))
+            # the stacked twin (a row-parallel layer's): the same delta in bfloat16 (its own
+            # call: a split-k shrink's atomic sums may round otherwise), beside the base
+            # linear with its bias
+            assert not out[2][1][~live].any()
+            if live.any():
+                assert rel_err(out[2][1][live].float(), d[live]) < 1e-2, (name, groups)
             want_y = torch.nn.functional.linear(x, w, bias)
             torch.testing.assert_close(out[2][0], want_y, rtol=0, atol=0.02)
             if live.any():
