@@ -322,9 +322,8 @@ def cmd_demo(args: argparse.Namespace, stdout: TextIO) -> int:
     outputs = engine.generate(requests)
     elapsed = time.perf_counter() - start
     for req, out in zip(requests, outputs, strict=True):
-        text = out.error or completion_text(
-            tokenizer, req.prompt_token_ids, out.token_ids, engine.eos_token_ids
-        )
+        ends = req.sampling.stop_tokens(engine.eos_token_ids)
+        text = out.error or completion_text(tokenizer, req.prompt_token_ids, out.token_ids, ends)
         prompt = tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
         print(f"[{req.adapter or 'base':>8}] {prompt!r} -> {text!r}", file=stdout)
     generated = sum(len(o.token_ids) for o in outputs)

@@ -154,10 +154,9 @@ def output_json(
     ``{"id", "error"}``."""
     if out.error is not None:
         return {"id": out.id, "error": out.error}
-    s = request.sampling
-    stop_tokens = {*s.stop_token_ids, *(() if s.ignore_eos else eos_token_ids)}
+    ends = request.sampling.stop_tokens(eos_token_ids)
     text = (
-        completion_text(tokenizer, request.prompt_token_ids, out.token_ids, stop_tokens)
+        completion_text(tokenizer, request.prompt_token_ids, out.token_ids, ends)
         if tokenizer is not None
         else None
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,12 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     grammar: Grammar | None = None
+
+    def stop_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
+        """The tokens that end a request under these parameters, as the engine ends it
+        (``LLMEngine._finish_reason``): ``stop_token_ids``, and EOS unless ``ignore_eos``.
+        Such a last token adds no text to the output (vLLM's rule)."""
+        return frozenset(self.stop_token_ids) | frozenset(() if self.ignore_eos else eos_token_ids)
 
     @property
     def processes_logits(self) -> bool:

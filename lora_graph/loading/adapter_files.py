@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -281,11 +281,12 @@ class AdapterReader:
 
     def modules(
         self, name: str, src: AdapterSource, shapes: dict[str, tuple[int, ...]]
-    ) -> tuple[list[LoraModule], AdapterInfo]:
+    ) -> tuple[list[LoraModule], AdapterInfo, dict[LoraModuleRef, str]]:
         """Pair the A and B of each module, place it, and compute its rank and scale.
 
         Returns:
-            the modules that land on served targets, and the adapter's :class:`AdapterInfo`.
+            the modules that land on served targets, the adapter's :class:`AdapterInfo`,
+            and the keys of the base weights PEFT saved beside them, by where they land.
 
         Raises:
             AdapterError: if a module lacks its A or B.
@@ -399,7 +400,8 @@ class AdapterReader:
             scale = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
             modules.append(LoraModule(module, ref, ab[a_name], ab[b_name], rank, scale))
         misfits += self._base_misfits(name, base_layers, shapes, unmapped)
-        return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits))
+        saved = {cast(LoraModuleRef, self.module_map(m)): key for m, key in base_layers.items()}
+        return modules, AdapterInfo(max_rank, tuple(unmapped), tuple(misfits)), saved
 
     def _base_misfits(
         self,
@@ -422,7 +424,8 @@ class AdapterReader:
             assert ref is not None  # (_known_module)
             target = self.targets.get(ref.target)
             if target is None:
-                unmapped += [] if module in unmapped else [module]
+                if module not in unmapped:
+                    unmapped.append(module)
                 continue
             if not (target.kind == "embedding" or target.per_segment):
                 raise AdapterError(
@@ -540,7 +543,8 @@ class AdapterReader:
         self.check_config(name, src.config)
         tensors = _load_tensors(src.weights_path)
         self._complete_ties(name, src, tensors, lambda t: t.T)
-        modules, info = self.modules(name, src, {k: tuple(v.shape) for k, v in tensors.items()})
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        modules, info, saved_keys = self.modules(name, src, shapes)
         self.check(name, info, max_rank=max_rank)
         for m in modules:
             for key in (m.a_key, m.b_key):
@@ -573,9 +577,6 @@ class AdapterReader:
                 a[s, : m.rank].copy_(a_t)
                 b[start : start + size, : m.rank].copy_(b_t[row : row + size])
                 row += size
-        saved_base = {  # (each a served embedding's or LM head's: check() passed)
-            ref: tensors[key]
-            for module, key in pair_keys(name, tensors, self._known_module)[1].items()
-            if (ref := self.module_map(module)) is not None
-        }
+        # (each a served embedding's or LM head's: check() passed)
+        saved_base = {ref: tensors[key] for ref, key in saved_keys.items()}
         return image, info.rank, saved_base

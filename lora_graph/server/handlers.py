@@ -145,13 +145,12 @@ class OpenAIServing:
         base = uuid.uuid4().hex
         stops = stops_of(gen.body)
         n = gen.n
-        eos = frozenset(self.engine.eos_token_ids)
 
         def choice(i: int) -> Choice:
             s = sampling[i // n]
-            stop_tokens = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else eos)
             detok = Detokenizer(self.tokenizer, prompts[i // n])
-            return Choice(i, f"{base}-{i}", stops, detok, stop_tokens, s.min_tokens)
+            ends = s.stop_tokens(self.engine.eos_token_ids)
+            return Choice(i, f"{base}-{i}", stops, detok, ends, s.min_tokens)
 
         gen.choices = [choice(i) for i in range(n * len(prompts))]
         gen.prompts = prompts
