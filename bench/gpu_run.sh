@@ -43,6 +43,8 @@
 #                                   beside its output, KernelPolicy.reduce_delta_apart), twice each, alternating
 #   bash bench/gpu_run.sh tp1prof   bench/profile_step.py on a decode step of 64 rows and 4 adapters: plain, at size 1,
 #                                   and at size 1 with KernelPolicy.reduce_delta_apart (kernel time by kind)
+#   bash bench/gpu_run.sh tp1row    the 1-row decode step at size 1 against plain: bench/profile_step.py's whole kernel
+#                                   lists into $OUT/profile_1row_*.log, then bench/decode.py at batch 1 (alternating)
 #   bash bench/gpu_run.sh tp2       (2+ GPUs, #31) the tensor-parallel GPU tests at sizes 1 and 2 (NCCL), then
 #                                   bench/decode.py (8B shapes, batches 1-64) plain, at size 2, and at size 2
 #                                   with the vocabulary-parallel LM head
@@ -137,6 +139,19 @@ for stage in "$@"; do
         echo "== profile_step ${flag[*]:-plain}"
         python3 bench/profile_step.py --tokens 64 --decodes 64 --context 64 --adapters 4 --kernels 14 \
           "${flag[@]}" 2>&1 | tee -a "$OUT/profile_tp_$run.log" | grep -vi warn | tail -38
+      done ;;
+    tp1row)  # the 1-row decode step at size 1 against plain: whole kernel lists (files), then 1-row timings
+      for run in none 1 none 1; do
+        flag=(); [ "$run" = none ] || flag=(--tensor-parallel-size 1)
+        echo "== profile_step 1 row ${flag[*]:-plain}"
+        python3 bench/profile_step.py --tokens 1 --decodes 1 --context 64 --adapters 4 --kernels 60 \
+          "${flag[@]}" >>"$OUT/profile_1row_$run.log" 2>&1
+        grep "^|" "$OUT/profile_1row_$run.log" | tail -3
+      done
+      for tp in none 1 none 1; do
+        flag=(); [ "$tp" = none ] || flag=(--tensor-parallel-size "$tp")
+        python3 bench/decode.py --skip-peft --reps 200 --batch-sizes 1 "${flag[@]}" \
+          --json "$OUT/decode_1row_$tp.json" 2>&1 | tee -a "$OUT/decode_1row_$tp.log" | grep "^|" | tail -2
       done ;;
     tp2)  # tensor parallelism over 2 GPUs (NCCL): the tests, then decode steps at sizes 1 and 2
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \
