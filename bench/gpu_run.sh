@@ -45,6 +45,8 @@
 #                                   and at size 1 with KernelPolicy.reduce_delta_apart (kernel time by kind)
 #   bash bench/gpu_run.sh tp1row    the 1-row decode step at size 1 against plain: bench/profile_step.py's whole kernel
 #                                   lists into $OUT/profile_1row_*.log, then bench/decode.py at batch 1 (alternating)
+#   bash bench/gpu_run.sh tp1ab     bench/tp_overhead.py: the size-1 and the plain pipeline in one process, their decode
+#                                   steps (base rows; 4 adapters mixed) timed in alternating rounds (ROUNDS, 10)
 #   bash bench/gpu_run.sh tp2       (2+ GPUs, #31) the tensor-parallel GPU tests at sizes 1 and 2 (NCCL), then
 #                                   bench/decode.py (8B shapes, batches 1-64) plain, at size 2, and at size 2
 #                                   with the vocabulary-parallel LM head
@@ -153,6 +155,9 @@ for stage in "$@"; do
         python3 bench/decode.py --skip-peft --reps 200 --batch-sizes 1 "${flag[@]}" \
           --json "$OUT/decode_1row_$tp.json" 2>&1 | tee -a "$OUT/decode_1row_$tp.log" | grep "^|" | tail -2
       done ;;
+    tp1ab)  # size 1 against plain in one process, interleaved rounds (bench/tp_overhead.py)
+      python3 bench/tp_overhead.py --rounds ${ROUNDS:-10} --reps 50 --json "$OUT/tp_overhead.json" 2>&1 \
+        | tee "$OUT/tp_overhead.log" | grep -vi warn | tail -12 ;;
     tp2)  # tensor parallelism over 2 GPUs (NCCL): the tests, then decode steps at sizes 1 and 2
       python3 -m pytest -rs -s -m gpu -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 \
         | tee "$OUT/gpu_tp2.log" | grep -E "bit for bit|generations equal|passed|failed|Error" | tail -8

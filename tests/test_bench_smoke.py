@@ -26,6 +26,7 @@ WRITES_JSON = {
     "lora_kernels.py",
     "serve.py",
     "serve_load.py",
+    "tp_overhead.py",
 }
 # decode.py's variants of the decode LoRA path, every switch set (a second LoRA pipeline),
 # eager, its --smoke default (the compiled step is tests/test_compile.py's; on the GPU the
@@ -61,6 +62,7 @@ def test_every_benchmark_is_covered():
         "profile_step.py",
         "serve.py",
         "serve_load.py",
+        "tp_overhead.py",
     ]
 
 
