@@ -270,7 +270,13 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": "hi", "best_of": 20}, "best_of must be in [n, 16]"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n must be in"),
         ({"model": MODEL, "prompt": "word " * 200}, "max_seq_len"),
-        ({"model": MODEL, "prompt": [10**9]}, "prompt token ids"),
+        ({"model": MODEL, "prompt": [10**9]}, "the prompt's token ids must be in [0, "),
+        # checked before anything decodes them (a negative or 64-bit id was a 500: the
+        # detokenizer's OverflowError)
+        ({"model": MODEL, "prompt": [0, -1]}, "the prompt's token ids must be in [0, "),
+        ({"model": MODEL, "prompt": [0, 2**32]}, "got 4294967296"),
+        ({"model": MODEL, "prompt": [[0, 2**64]]}, "token ids must be in"),
+        ({"model": MODEL, "prompt": [[0], [0, -5]]}, "prompt[1]'s token ids must be in"),
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict types

@@ -212,11 +212,16 @@ class OpenAIServing:
         """Serve ``prompts`` (one for chat; ``prompt_texts`` as given, for ``echo``);
         ``max_tokens`` None: the server's default on completions, up to the context on
         chat (OpenAI's and vLLM's defaults)."""
-        limit = self.engine.max_seq_len
+        limit, vocab = self.engine.max_seq_len, self.engine.vocab_size
         where = "messages" if chat else "prompt"
         for k, ids in enumerate(prompts):
+            which = f"{where}[{k}]" if len(prompts) > 1 else "the prompt"
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:  # (before anything decodes them)
+                raise APIError(
+                    400, f"{which}'s token ids must be in [0, {vocab}), got {bad}", param=where
+                )
             if len(ids) >= limit:  # (a text prompt is read up to 64 characters a position)
-                which = f"{where}[{k}]" if len(prompts) > 1 else "the prompt"
                 which += " (the messages through the chat template)" if chat else ""
                 raise APIError(
                     400,
