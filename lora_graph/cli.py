@@ -103,8 +103,9 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
             raise CliError(str(e)) from None
     lines = read_request_lines(args.requests) if args.requests else []
     engine, tokenizer = engine_from_args(args)
-    if args.progress and engine.pipeline.max_seq_len_from_model:
-        print(engine.pipeline.max_seq_len_note, file=sys.stderr)
+    pipe = engine.pipeline
+    if pipe.max_seq_len_from_model and (args.progress or "bounded by" in pipe.max_seq_len_note):
+        print(pipe.max_seq_len_note, file=sys.stderr)  # (a lowered context always said)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -221,6 +222,8 @@ def cmd_serve(args: argparse.Namespace, stdout: TextIO) -> int:
 
     if args.allow_runtime_lora and not args.lora_root:
         raise CliError("--allow-runtime-lora needs at least one --lora-root DIR to load from")
+    if args.lora_root and not args.allow_runtime_lora:  # (it would do nothing, unsaid)
+        raise CliError("--lora-root is where runtime loads read from: give --allow-runtime-lora")
     for root in args.lora_root:
         if not os.path.isdir(root):
             raise CliError(f"--lora-root {root!r} is not a directory")

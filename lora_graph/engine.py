@@ -13,6 +13,7 @@ on the device, unless that token ends it by length.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from typing import cast
@@ -381,8 +382,11 @@ class LLMEngine:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.pipeline.config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+        integral = (isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+        if not all(integral) or not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not all(type(t) is int for t in prompt):  # (numpy's integers: Python ints from here)
+            request.prompt_token_ids = [int(t) for t in prompt]
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad_stop[0]}")

@@ -110,7 +110,7 @@ class PipelineModel(abc.ABC):
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         max_batch_size: int = 8,
-        max_seq_len: int | None = 512,
+        max_seq_len: int | None = None,
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         lora: LoRAConfig | None = None,
@@ -655,10 +655,14 @@ class PipelineModelWithKVCache(PipelineModel):
                 fixed_bytes=fixed_bytes,
             )
             if self.max_seq_len < context:
+                given = self._init_kwargs["kv_cache_tokens"]
+                bound = (
+                    f"kv_cache_tokens {given}" if given is not None
+                    else "the memory left for the KV cache"
+                )  # fmt: skip
                 self.max_seq_len_note = (
                     f"max_seq_len {self.max_seq_len} (the model's context {context} bounded by "
-                    "the memory left for the KV cache; give --max-seq-len or "
-                    "--kv-cache-tokens to choose)"
+                    f"{bound}; give --max-seq-len or --kv-cache-tokens to choose)"
                 ) + (f", tensor parallel size {self.tp.size}" if self.tp is not None else "")
         num_kv_pages = memory.kv_cache_pages(
             device=self.device,

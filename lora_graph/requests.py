@@ -21,7 +21,7 @@ class SamplingParams:
     Attributes:
         max_new_tokens: the most tokens to generate.
         temperature: 0 for greedy; otherwise logits are divided by it before sampling.
-        top_k: keep the k most likely tokens (0: all).
+        top_k: keep the k most likely tokens (0, or vLLM's -1: all).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
         seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
         stop_token_ids: tokens that end the request (kept in the output), besides EOS.
@@ -110,8 +110,8 @@ class SamplingParams:
                 f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}, where sampling is "
                 "numerically unstable; use 0 for greedy"
             )
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (or -1: all), got {self.top_k!r}")
         if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):

@@ -15,6 +15,7 @@ import math
 import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_pipeline, prompts
@@ -69,6 +70,7 @@ BAD_REQUESTS = [
     ({"temperature": "1"}, "temperature must be a finite number"),
     ({"top_p": math.nan, "temperature": 1.0}, "top_p must be a number in (0, 1]"),
     ({"top_p": True, "temperature": 1.0}, "top_p must be a number in (0, 1]"),
+    ({"top_k": -2, "temperature": 1.0}, "top_k must be an integer >= 0 (or -1: all)"),
     ({"prompt": "hello"}, "either 'prompt' or 'prompt_token_ids', not both"),
     ({"adapter": "nope"}, "unknown adapter 'nope'"),
     ({"prompt_token_ids": [5] * 200}, "at most 127 fit"),
@@ -285,7 +287,7 @@ def test_size_typo_says_what_fits(tiny, capsys):
     assert "cannot hold one request of --max-seq-len 128" in capsys.readouterr().err
 
 
-def test_default_max_seq_len_is_the_context_bounded_by_the_kv_cache(tiny):
+def test_default_max_seq_len_is_the_context_bounded_by_the_kv_cache(tiny, tmp_path, capsys):
     """Without --max-seq-len a request may use the model's whole context (128 here), unless
     the KV cache holds less (then its size: one request must always fit)."""
     from lora_graph.launch import build_engine
@@ -297,7 +299,16 @@ def test_default_max_seq_len_is_the_context_bounded_by_the_kv_cache(tiny):
     assert engine.pipeline.max_seq_len_note == "max_seq_len 128 (the model's context)"
     engine, _ = build_engine(str(tiny.base), [], kv_cache_tokens=40, **kw)
     assert engine.max_seq_len == 48  # 40 positions are 3 pages of 16
-    assert "the model's context 128 bounded by the memory" in engine.pipeline.max_seq_len_note
+    note = engine.pipeline.max_seq_len_note
+    assert "the model's context 128 bounded by kv_cache_tokens 40;" in note
+    # the Python pipeline's default too (it was 512: a model of a shorter context refused)
+    from lora_graph.architectures import LlamaPipeline
+
+    assert LlamaPipeline(str(tiny.base)).max_seq_len == 128
+    # a lowered context is said even without the progress bar (requests ended early, unsaid)
+    line = json.dumps({"id": "r", "prompt_token_ids": [5, 6], "max_new_tokens": 2})
+    _serve_file(tiny, tmp_path, line.encode(), ["--kv-cache-tokens", "40"])
+    assert "max_seq_len 48 (the model's context 128 bounded by" in capsys.readouterr().err
     # the start-up line still names the tensor-parallel size (a group of one rank here)
     engine, _ = build_engine(str(tiny.base), [], kv_cache_tokens=40, tensor_parallel_size=1,
                              **kw)  # fmt: skip
@@ -364,6 +375,8 @@ BAD_CONFIGS = [
         "layers_to_transform 1 (layers_pattern 'layers') leaves out its layer 0",
     ),
     ({"peft_type": "lora"}, "peft_type 'lora' is not LoRA"),
+    # another PEFT method is named as such (it was "field 'target_modules' is missing")
+    ({"peft_type": "PROMPT_TUNING", "target_modules": None}, "'PROMPT_TUNING' is not LoRA"),
     ({"lora_alpha": 10**400}, "field 'lora_alpha' must be a finite number"),
     ({"target_modules": None}, "field 'target_modules' is missing or null"),
     ({"task_type": "BOGUS"}, "field 'task_type' must be null or one of"),
@@ -634,6 +647,10 @@ def test_any_odd_value_in_the_python_api_finishes_its_request_with_an_error(tiny
     assert len(refused) > len(requests) * 3 // 4  # (the rest are odd but valid: served)
     served = engine.generate([Request("after", [1, 2, 3], None, SamplingParams(max_new_tokens=2))])
     assert served[0].error is None and len(served[0].token_ids) == 2
+    # numpy's integers are integers (a tokenizer's return_tensors="np"; they were refused as
+    # "not integers in [0, vocab)"): the same tokens as Python ints
+    np_ids = Request("np", list(np.array([1, 2, 3])), None, SamplingParams(max_new_tokens=2))
+    assert engine.generate([np_ids])[0].token_ids == served[0].token_ids
 
 
 def _mutate_line(rng: random.Random, req: dict) -> bytes:

@@ -49,6 +49,9 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert draws == {0, 1}
     draws = {sample(logits, SamplingParams(temperature=1.0, top_k=3), g) for _ in range(300)}
     assert draws == {0, 1, 2}
+    off = SamplingParams(temperature=1.0, top_k=-1)  # vLLM's "every token" (was refused)
+    off.validate()
+    assert {sample(logits, off, g) for _ in range(300)} == {0, 1, 2, 3}
 
 
 def test_stop_tokens_and_eos_end_a_request(tiny, reference_factory):

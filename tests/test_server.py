@@ -954,7 +954,8 @@ def test_gpu_cuda_graphs_served_from_the_engine_thread():
         (["--api-key", ""], "--api-key is empty"),
         (["--served-model-name", "pirate"], "the base model is served under that name"),
         (["--allow-runtime-lora"], "needs at least one --lora-root"),
-        (["--lora-root", "/no/such/dir"], "is not a directory"),
+        (["--allow-runtime-lora", "--lora-root", "/no/such/dir"], "is not a directory"),
+        (["--lora-root", str(ASSETS)], "give --allow-runtime-lora"),
         (["--max-request-bytes", "10"], "--max-request-bytes"),
         (["--lora", "no-equals-sign"], "expected NAME=PATH"),
         # the engine's sizes, from their values alone (a new user's trial found them checked

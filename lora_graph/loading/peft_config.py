@@ -134,6 +134,9 @@ def check_config_types(config: dict[str, Any], where: str) -> None:
             f"{where}: field 'peft_type' is missing (a PEFT adapter_config.json names it, e.g. "
             '"LORA")'
         )
+    if isinstance(config["peft_type"], str) and config["peft_type"] != "LORA":
+        # (before LoRA's fields: a prompt-tuning config has no target_modules to name)
+        raise AdapterError(f"{where}: peft_type {config['peft_type']!r} is not LoRA")
     for key, (ok, what) in _CONFIG_TYPES.items():
         if key in config and not ok(config[key]):
             raise AdapterError(f"{where}: field {key!r} must be {what}, got {config[key]!r}")
