@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -111,7 +113,6 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        seed=args.seed,
     )
     if args.requests:
         entries = parse_requests(lines, tokenizer, defaults)
@@ -120,6 +121,12 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
             raise CliError("the model has no tokenizer; use --requests with prompt_token_ids")
         ids = tokenizer(args.prompt)["input_ids"]
         entries = [(Request("0", ids, args.adapter, defaults), "0", None)]
+    if args.seed is not None:  # vLLM's --seed: the run's, one seed a request drawn from it
+        draws = random.Random(args.seed)
+        for r, _, error in entries:
+            seed = draws.getrandbits(64)  # (drawn for every line: a line's seed is its own)
+            if error is None and r.sampling.seed is None:
+                r.sampling = replace(r.sampling, seed=seed)
     outputs = engine.generate(
         [r for r, _, error in entries if error is None], progress=args.progress
     )
@@ -483,7 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--top-k", type=int, default=0, help="default top-k; 0 keeps all (default: 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="default top-p (default: 1.0)")
-    gen.add_argument("--seed", type=int, default=None, help="default sampling seed per request")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="the run's seed, as vLLM's --seed: each request without a seed of its own gets "
+        "one drawn from it in input order, so a run repeats exactly and equal prompts still "
+        "sample differently (default: unseeded)",
+    )
     gen.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
     gen.add_argument(
         "--no-progress",

@@ -792,3 +792,21 @@ def test_fuzz_adapter_config(tiny, tmp_path):
         )
     print(f"accepted {accepted}, refused {refused}")
     assert accepted >= 3 and refused >= 10
+
+
+def test_seed_flag_is_the_runs_seed_as_vllms(tiny, tmp_path):
+    """``--seed`` seeds the run, as vLLM's: equal lines without a seed of their own sample
+    differently (a helper found them copied the flag's seed: equal samples), the run repeats
+    exactly, and a line's own seed is its own whatever the flag."""
+    line = {"prompt_token_ids": [5, 6, 7], "max_new_tokens": 8, "temperature": 1.0}
+    lines = [{**line, "id": "r0"}, {**line, "id": "r1"}, {**line, "id": "own", "seed": 3}]
+    content = "\n".join(map(json.dumps, lines)).encode()
+
+    def run(seed: int) -> dict[str, list[int]]:
+        results = _serve_file(tiny, tmp_path, content, ["--seed", str(seed)])
+        return {r["id"]: r["token_ids"] for r in results}
+
+    first, again, other = run(5), run(5), run(6)
+    assert first == again
+    assert first["r0"] != first["r1"] and first["r0"] != other["r0"]
+    assert first["own"] == other["own"]
