@@ -268,7 +268,12 @@ class LLMEngine:
         Raises:
             KeyError: if ``name`` is not loaded; ValueError: without LoRA support.
         """
-        return self._manager().unload_adapter(name)
+        manager = self._manager()
+        status = manager.unload_adapter(name)
+        if not self.has_unfinished():  # idle: the last batch is over, free it now (its slot,
+            self._drain()  # host copy and cached pages stayed until another step ran)
+            manager.batch_finished()
+        return status
 
     def _forget_version(self, version: int) -> None:
         self.pages.forget(identity_root(version))

@@ -387,6 +387,12 @@ class LoRAManager:
         self._purge(self._running)
         return LoRAStatus.UNLOADED
 
+    def batch_finished(self) -> None:
+        """The last batch has run and none follows yet (an idle engine): its adapters are no
+        longer protected as running; an unloaded one no request holds is freed now."""
+        self._running = frozenset()
+        self._purge(self._running)
+
     def _purge(self, running: frozenset[str]) -> None:
         for key in self.registry.purge(running):
             self.slots.evict(key)

@@ -121,9 +121,11 @@ def test_unloading_drops_a_versions_pages(tiny):
     cached = engine.pages.num_cached
     assert engine.pages.lookup(key) is not None
     engine.remove_lora("B")  # freed once no request holds it and no batch names it
-    engine.generate([_greedy("n2", shared, None)])
-    # B's 4 full pages (13 prompt tokens and 5 of its 6 generated ones computed) dropped
+    # B's 4 full pages (13 prompt tokens and 5 of its 6 generated ones computed) dropped at
+    # once on an idle engine (a helper found them kept until another step ran)
     assert engine.pages.lookup(key) is None and engine.pages.num_cached == cached - 4
+    assert "B" not in engine.list_loras() and pipe.manager.slots.slot_of("B") is None
+    engine.generate([_greedy("n2", shared, None)])
     assert engine.pages.lookup(page_key(BASE_ROOT, shared[:PAGE])) is not None
     engine.add_lora(str(tiny.adapters["B"]), name="B")  # the same weights, loaded again
     out = engine.generate([_greedy("b2", shared, "B")])
