@@ -11,9 +11,10 @@ Here both pipelines live in one process (the plain one built and captured first,
 group joined and the size-1 one built), Llama-3-8B shapes, random bf16 weights, 4
 rank-16 adapters on all seven linears loaded into both, CUDA graphs. Each round times, for
 each batch, a decode step of (b) base-only rows and (d) the 4 adapters mixed on both
-pipelines (median of ``--reps`` CUDA-event-timed steps, as ``bench/decode.py``'s), the
-order of the two flipped every round. Reported: the medians over the rounds, their ratio
-(size 1 over plain), and the lowest and highest per-round ratio.
+pipelines (:func:`time_step_modes`: the step waited for, as ``bench/decode.py`` times it;
+10 steps queued back to back; the launch's host time), the order of the two flipped every
+round. Reported: the medians over the rounds, their ratio (size 1 over plain), and the
+lowest and highest per-round ratio of the first.
 
     python bench/tp_overhead.py                    # the H200 run
     python bench/tp_overhead.py --smoke            # tiny shapes on the CPU (gloo), eager
@@ -30,6 +31,68 @@ from pathlib import Path
 
 import decode as bench_decode  # bench/decode.py
 import torch
+
+
+def time_step_modes(
+    pipe, batch: int, adapters: list, *, context: int, reps: int
+) -> tuple[float, float, float]:
+    """Three medians of one packed decode step (``bench/decode.py``'s step; ms): ``sync``,
+    each step between CUDA events and waited for (``bench/decode.py``'s number: the launch's
+    host time before the device starts is in it); ``pipelined``, 10 steps queued back to back
+    between two events, a tenth of it (the device's time a step, the host's hidden behind
+    the steps before, as under asynchronous scheduling); ``host``, the ``execute`` call's own
+    wall time (its launch), the device not waited for."""
+    from lora_graph.step import SeqChunk
+
+    g = torch.Generator().manual_seed(batch)
+    chunks = []
+    for adapter, ctx in zip(adapters, bench_decode.contexts(batch, context), strict=True):
+        token = int(torch.randint(0, pipe.config.vocab_size, (), generator=g))
+        pages = pipe.pages.allocate(pipe.pages.pages_for(ctx + 1))
+        chunks.append(SeqChunk(adapter, [token], ctx, pages))
+    cuda = pipe.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def events() -> tuple:
+        return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    try:
+        inputs = pipe.prepare(chunks)
+        for _ in range(3):
+            pipe.execute(inputs)
+        sync()
+        step_ms, piped_ms, host_ms = [], [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            if cuda:
+                start, end = events()
+                start.record()
+            pipe.execute(inputs)
+            host_ms.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                end.record()
+                end.synchronize()
+                step_ms.append(start.elapsed_time(end))
+            else:
+                step_ms.append(host_ms[-1])
+        for _ in range(max(1, reps // 10)):
+            t0 = time.perf_counter()
+            if cuda:
+                start, end = events()
+                start.record()
+            for _ in range(10):
+                pipe.execute(inputs)
+            if cuda:
+                end.record()
+                end.synchronize()
+                piped_ms.append(start.elapsed_time(end) / 10)
+            else:
+                piped_ms.append((time.perf_counter() - t0) * 1e3 / 10)
+    finally:
+        for c in chunks:
+            pipe.pages.free(c.pages)
+    med = statistics.median
+    return med(step_ms), med(piped_ms), med(host_ms)
 
 
 def main() -> None:
@@ -91,7 +154,7 @@ def main() -> None:
         for b in args.batch_sizes:
             for kind, adapters in kinds.items():
                 for label in order:
-                    ms = bench_decode.time_engine_step(
+                    ms = time_step_modes(
                         pipes[label], b, adapters(b), context=args.context, reps=args.reps
                     )
                     times[(kind, b, label)].append(ms)
@@ -100,22 +163,31 @@ def main() -> None:
         assert pipe.graphs is None or pipe.graphs.recompiles == 0
     pipes["size 1"].close()  # (leaves the group)
 
+    modes = ("sync", "pipelined", "host")
     lines = [
-        "| step | batch | plain ms | size 1 ms | ratio | per-round ratio min / max |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| step | batch | "
+        + " | ".join(f"{m} plain ms | {m} size 1 ms | {m} ratio" for m in modes)
+        + " | sync per-round ratio min / max |",
+        "|---|---:|" + "---:|---:|---:|" * len(modes) + "---:|",
     ]
     rows = []
     for kind in kinds:
         for b in args.batch_sizes:
             plain, one = times[(kind, b, "plain")], times[(kind, b, "size 1")]
-            ratios = [o / p for o, p in zip(one, plain, strict=True)]
-            row = {"step": kind, "batch": b, "plain_ms": plain, "size1_ms": one,
-                   "ratio": statistics.median(one) / statistics.median(plain)}  # fmt: skip
+            row: dict = {"step": kind, "batch": b}
+            cells = []
+            for m, mode in enumerate(modes):
+                p = statistics.median(t[m] for t in plain)
+                o = statistics.median(t[m] for t in one)
+                row[mode] = {"plain_ms": [t[m] for t in plain], "size1_ms": [t[m] for t in one],
+                             "ratio": o / p}  # fmt: skip
+                cells.append(f"{p:.3f} | {o:.3f} | {o / p:.4f}")
+            ratios = [o[0] / p[0] for o, p in zip(one, plain, strict=True)]
             rows.append(row)
             lines.append(
-                f"| {kind} | {b} | {statistics.median(plain):.3f} | {statistics.median(one):.3f} "
-                f"| {row['ratio']:.4f} | {min(ratios):.4f} / {max(ratios):.4f} |"
-            )
+                f"| {kind} | {b} | " + " | ".join(cells)
+                + f" | {min(ratios):.4f} / {max(ratios):.4f} |"
+            )  # fmt: skip
     table = "\n".join(lines)
     print(table, flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
