@@ -106,7 +106,7 @@ def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     lines = read_request_lines(args.requests) if args.requests else []
     engine, tokenizer = engine_from_args(args)
     pipe = engine.pipeline
-    if pipe.max_seq_len_from_model and (args.progress or "bounded by" in pipe.max_seq_len_note):
+    if pipe.max_seq_len_from_model and (args.progress or pipe.max_seq_len_bounded):
         print(pipe.max_seq_len_note, file=sys.stderr)  # (a lowered context always said)
     defaults = SamplingParams(
         max_new_tokens=args.max_new_tokens,

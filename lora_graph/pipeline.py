@@ -150,6 +150,8 @@ class PipelineModel(abc.ABC):
         self.config = self._create_model_config(self.hf_config)
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         self.max_seq_len_from_model = max_seq_len is None
+        #: whether the model's context was lowered to fit the KV cache (:meth:`_plan_memory`)
+        self.max_seq_len_bounded = False
         if max_seq_len is None:
             if limit is None:
                 raise ValueError(
@@ -655,6 +657,7 @@ class PipelineModelWithKVCache(PipelineModel):
                 fixed_bytes=fixed_bytes,
             )
             if self.max_seq_len < context:
+                self.max_seq_len_bounded = True
                 given = self._init_kwargs["kv_cache_tokens"]
                 bound = (
                     f"kv_cache_tokens {given}" if given is not None
