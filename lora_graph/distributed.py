@@ -59,11 +59,27 @@ def init_tensor_parallel(
     if _RANK is not None:
         raise RuntimeError(f"this process is rank {_RANK.rank} of a group already")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    if backend == "nccl":  # (the communicator set up now, before any graph captures it)
-        dist.all_reduce(torch.zeros(1, device="cuda"))
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        if backend == "nccl":  # (the communicator set up now, before any graph captures it)
+            dist.all_reduce(torch.zeros(1, device="cuda"))
+    except BaseException:  # (a failed or interrupted join: the next one starts clean)
+        _forget_partial_group()
+        raise
     _RANK = tp
     return tp
+
+
+def _forget_partial_group() -> None:
+    """Undo what a failed ``init_process_group`` left behind: the default group if it was
+    made, and the count it names groups by. Left counted, the next join in this process
+    names its group "1" while its freshly started workers name theirs "0", and the ranks
+    wait for each other forever (a helper found the retry after a Ctrl-C at start-up hung)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def tensor_parallel() -> TPRank | None:

@@ -54,8 +54,8 @@ def check_group_size(size: int, device: torch.device) -> None:
             "this process already runs a tensor-parallel pipeline (one process group a "
             "process): close() it first"
         )
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer of at least 1, got {size!r}")
     first = device.index or 0
     if device.type == "cuda" and first + size > torch.cuda.device_count():
         raise ValueError(

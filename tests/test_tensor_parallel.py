@@ -241,8 +241,13 @@ def test_refusals_name_the_cause(models, capsys, monkeypatch):
     # 4 query heads do not split over 3 ranks; an architecture that does not shard
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         _pipeline(base, {}, 3)
-    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1, got 0"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size must be an integer of at least 1, got 0"
+    ):
         _pipeline(base, {}, 0)  # (not taken for "no size": that is None)
+    for odd in (True, "2", 2.0):  # (True was torch's "invalid literal for int()", then a hang)
+        with pytest.raises(ValueError, match=f"at least 1, got {odd!r}"):
+            _pipeline(base, {}, odd)
     assert main(["generate", "--model", str(base), "--prompt", "1", "-tp", "0"]) == 2
     assert "--tensor-parallel-size must be at least 1" in capsys.readouterr().err
     # torchrun's processes without the flag would each run the whole job
@@ -262,11 +267,18 @@ def test_refusals_name_the_cause(models, capsys, monkeypatch):
 
 
 def test_a_dead_worker_stops_rank_0_with_a_message(models, tmp_path):
+    """(Its group is joined after a failed join in the same process: a helper found the
+    second join waited forever, the failed one having counted a group name.)"""
     base, _ = models("llama3")
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
         from test_tensor_parallel import _pipeline, _prefill_logits
+        from lora_graph.distributed import init_tensor_parallel
+        try:
+            init_tensor_parallel(0, 2, init_method="bogus://x", backend="gloo")
+        except RuntimeError as e:
+            assert "No rendezvous handler" in str(e), e
         pipe = _pipeline({str(base)!r}, {{}}, 2)
         _prefill_logits(pipe, [None, None])
         os.kill(pipe.link.workers.processes[0].pid, signal.SIGKILL)
