@@ -1115,3 +1115,27 @@ def test_runtime_reloads_racing_hundreds_of_requests(tmp_path):
     finally:
         srv.stop()
     assert outcomes[0] > 120 and outcomes[1] > 10, outcomes
+
+
+def test_a_stopped_engine_is_a_503_on_every_route(tmp_path):
+    """With the engine thread gone (a dead tensor-parallel worker stops it), runtime loads
+    and unloads answer 503 as completions do (a helper found them a 500 with a traceback)."""
+    from fastapi.testclient import TestClient
+
+    engine, tokenizer = build_engine(
+        str(ASSETS / "base"), [], max_loras=1, max_lora_rank=8, dtype="float32", device="cpu",
+        max_batch_size=2, max_seq_len=64, progress=False, enable_lora=True,
+    )  # fmt: skip
+    shutil.copytree(ASSETS / "adapters" / "pirate", tmp_path / "pirate")
+    config = S.ServerConfig(model_name=MODEL, allow_runtime_lora=True, lora_roots=[str(tmp_path)])
+    app = S.create_app(engine, tokenizer, config)
+    with TestClient(app) as client:
+        app.state.engine_loop.stop()
+        for path, body in [
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+            ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": str(tmp_path / "pirate")}),
+            ("/v1/unload_lora_adapter", {"lora_name": "p"}),
+        ]:
+            r = client.post(path, json=body)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["message"] == "the engine is not running", path

@@ -29,6 +29,10 @@ class Watcher:
     on_finish: Callable[[RequestOutput], None]
 
 
+class EngineStopped(RuntimeError):
+    """A command for an engine thread that is not running (it stopped, or a worker died)."""
+
+
 class EngineLoop:
     """Runs ``engine`` on one background thread: steps while anything is unfinished, and
     between steps runs the commands other threads send (:meth:`call`).
@@ -71,7 +75,7 @@ class EngineLoop:
         back through the returned future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if not self.alive:
-            future.set_exception(RuntimeError("the engine is not running"))
+            future.set_exception(EngineStopped("the engine is not running"))
             return future
         self._commands.put((fn, future))
         return future

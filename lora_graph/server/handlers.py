@@ -24,7 +24,7 @@ from lora_graph.detokenize import Detokenizer
 from lora_graph.engine import LLMEngine, Request, RequestOutput, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
-from lora_graph.server.engine_loop import EngineLoop, Watcher
+from lora_graph.server.engine_loop import EngineLoop, EngineStopped, Watcher
 from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
 from lora_graph.server.generation import Generation
 from lora_graph.server.metrics import Metrics
@@ -88,8 +88,15 @@ class OpenAIServing:
         self.grammars = Grammars(tokenizer, engine)
 
     async def on_engine(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the engine thread between two steps; its result."""
-        return await asyncio.wrap_future(self.loop().call(fn))
+        """Run ``fn()`` on the engine thread between two steps; its result.
+
+        Raises:
+            APIError: 503 if the engine is not running (every route answers alike).
+        """
+        try:
+            return await asyncio.wrap_future(self.loop().call(fn))
+        except EngineStopped as e:
+            raise APIError(503, str(e)) from e
 
     def abort(self, choices: list[Choice]) -> None:
         """Abort the engine requests of ``choices`` that have not finished."""
