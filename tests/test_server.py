@@ -1139,3 +1139,35 @@ def test_a_stopped_engine_is_a_503_on_every_route(tmp_path):
             r = client.post(path, json=body)
             assert r.status_code == 503, (path, r.text)
             assert r.json()["error"]["message"] == "the engine is not running", path
+
+
+def test_stopping_an_engine_stuck_in_a_step_waits_once():
+    """An engine thread stuck inside a step (a stopped tensor-parallel worker holds its
+    collective) does not take the abort: ``stop`` gives it up after that one wait instead of
+    waiting as long again to join it (a helper timed a shutdown at twice what the README
+    says)."""
+    from lora_graph.server.engine_loop import EngineLoop
+
+    release = threading.Event()
+
+    class StuckEngine:
+        finished: dict = {}
+
+        def has_unfinished(self) -> bool:
+            return True
+
+        def step(self) -> list:
+            release.wait()
+            return []
+
+    loop = EngineLoop(StuckEngine())  # type: ignore[arg-type]
+    loop.start()
+    joins = []
+    join = loop._thread.join
+    loop._thread.join = lambda timeout=None: joins.append(timeout) or join(timeout)  # type: ignore[method-assign]
+    try:
+        loop.stop(timeout=0.2)
+        assert joins == [0]
+    finally:
+        release.set()
+        join(5)

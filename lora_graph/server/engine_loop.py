@@ -60,11 +60,16 @@ class EngineLoop:
         the thread."""
         if not self._thread.is_alive():
             return
-        with contextlib.suppress(Exception):
+        stuck = False
+        try:
             self.call(self.abort_all).result(timeout)
+        except concurrent.futures.TimeoutError:
+            stuck = True  # (inside a step that does not end: a stopped tensor-parallel worker)
+        except Exception:  # noqa: BLE001 - the engine's own error: it is stopping anyway
+            pass
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
-        self._thread.join(timeout)
+        self._thread.join(0 if stuck else timeout)  # (a stuck one does not end by waiting)
 
     @property
     def alive(self) -> bool:
