@@ -177,6 +177,23 @@ def test_size_2_equals_size_1(models, kind):
         two.close()
 
 
+def test_size_1_equals_the_plain_pipeline(models):
+    """The distributed path on one rank (a gloo group of one: every all-reduce runs; the
+    embedding holds the whole vocabulary and masks nothing) gives the plain pipeline's
+    logits for mixed batches, the embedding's adapter included."""
+    base, adapters = models("tied")
+    one = _pipeline(base, adapters, 1)
+    try:
+        assert one.tp is not None and one.tp.size == 1
+        plain = _pipeline(base, adapters, None)
+        for names in (NAMES, NAMES_B):
+            for x, y in zip(_prefill_logits(plain, names), _prefill_logits(one, names),
+                            strict=True):  # fmt: skip
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    finally:
+        one.close()
+
+
 def test_a_vocabulary_the_size_does_not_split_is_padded(models):
     """Vocabulary 127 over 2 ranks (vLLM pads it too): each rank's embedding holds 64 rows
     (rank 1's last a zero row no token reaches), its LoRA A as many columns, the LM head
@@ -406,8 +423,8 @@ def test_ctrl_c_at_start_up_kills_the_workers_quietly(models, where):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_size_1_nccl_under_cuda_graphs_equals_the_plain_step(models, dtype):
-    """The distributed path at size 1 (an NCCL group of one rank: every all-reduce and the
-    vocabulary-parallel embedding's mask in the captured graphs) gives the plain step's
+    """The distributed path at size 1 (an NCCL group of one rank: every all-reduce in the
+    captured graphs) gives the plain step's
     tokens, and its log-probabilities within rounding (the collectives change inductor's
     fusions around them), prefill and decode, base and mixed adapter batches."""
     base, adapters = models("tied")

@@ -274,9 +274,12 @@ class LlamaModel(nn.Module):
 
     def embed(self, tokens: Tensor, routing: Routing | None) -> Tensor:
         """``[T]`` int64 tokens to ``[T, hidden]`` (the embedding, with its LoRA delta;
-        under tensor parallelism each rank's vocabulary range, summed)."""
+        under tensor parallelism each rank's vocabulary range, summed; a group of one rank
+        holds the whole vocabulary, so no token is masked: vLLM skips the mask there too)."""
         if self.tp is None:
             return self.embed_tokens(tokens, routing)
+        if self.tp.size == 1:
+            return tp_all_reduce(self.embed_tokens(tokens, routing))
         local = tokens - self.vocab_start
         inside = (local >= 0) & (local < self.vocab_local)
         x = self.embed_tokens(torch.where(inside, local, 0), routing)
