@@ -23,13 +23,17 @@ class Detokenizer:
     """The text of one request's generated tokens, ``text``, as they arrive.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer (``decode`` with ``skip_special_tokens``:
-            special tokens such as EOS have no text).
+        tokenizer: a ``transformers`` tokenizer.
         prompt_ids: the request's prompt tokens (its last :data:`CONTEXT` are read).
+        skip_special_tokens: decode with ``skip_special_tokens`` (the default: special
+            tokens such as EOS have no text), as vLLM's ``SamplingParams`` field.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[max(0, len(prompt_ids) - CONTEXT) :])
         # a context cut inside a character loses its first bytes (a byte-fallback decoder
         # blanks a whole run of byte tokens when one is invalid: the output's too)
@@ -40,7 +44,7 @@ class Detokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
 
     def add(self, token: int) -> str:
         """Take a generated token; return the text it completes (possibly ``""``: an

@@ -623,6 +623,51 @@ def test_stop_tokens_add_no_text_and_stop_strings_wait_for_min_tokens(srv):
     assert out["choices"][0]["text"].startswith(first + srv.text(ref[1:3]))
 
 
+def _streamed(srv, body: dict) -> str:
+    r = srv.http.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    return "".join(c["text"] for ch in chunks for c in ch["choices"])
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens_false(srv):
+    """vLLM's two text fields, a 400 before for anything but their defaults: with
+    ``include_stop_str_in_output`` the stop string (or stop token's text) that ended the
+    choice stays in it, whole and streamed; with ``skip_special_tokens: false`` special
+    tokens keep their text (an ending EOS's is still cut, unless kept as above)."""
+    ref = srv.refs[(0, None)]
+    body = {"model": MODEL, "prompt": srv.prompts[0], "max_tokens": 6, "temperature": 0}
+    text = srv.text(ref)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # (two characters inside the text)
+    at = text.find(stop)
+    assert at > 0 and len(text) > at + len(stop), text
+    for include, want in ((False, text[:at]), (True, text[: at + len(stop)])):
+        both = {**body, "stop": ["\u0000never", stop], "include_stop_str_in_output": include}
+        out = post(srv, "/v1/completions", both)["choices"][0]
+        assert (out["text"], out["finish_reason"]) == (want, "stop"), (include, out)
+        assert _streamed(srv, both) == want
+    # a stop token's text is kept with it
+    stop_at = next(i for i in range(1, 6) if ref[i] not in ref[:i])
+    keep = {**body, "stop_token_ids": [ref[stop_at]], "include_stop_str_in_output": True}
+    assert post(srv, "/v1/completions", keep)["choices"][0]["text"] == srv.text(ref[: stop_at + 1])
+    assert _streamed(srv, keep) == srv.text(ref[: stop_at + 1])
+    # special tokens: every token EOS (biased), generated past it or ending the choice
+    eos = srv.tokenizer.eos_token_id
+    forced = {**body, "max_tokens": 3, "logit_bias": {str(eos): 100}}
+    eos_text = srv.tokenizer.decode([eos], skip_special_tokens=False)
+    assert eos_text == "</s>"
+    cases = [
+        ({"ignore_eos": True}, ""),
+        ({"ignore_eos": True, "skip_special_tokens": False}, eos_text * 3),
+        ({"skip_special_tokens": False}, ""),
+        ({"skip_special_tokens": False, "include_stop_str_in_output": True}, eos_text),
+    ]
+    for extra, want in cases:
+        out = post(srv, "/v1/completions", {**forced, **extra})
+        assert out["choices"][0]["text"] == want, (extra, out)
+        assert _streamed(srv, {**forced, **extra}) == want, extra
+
+
 @pytest.mark.parametrize("chars_a_token, read", [(100, [512, 700]), (10, [512])])
 def test_a_text_prompt_of_long_tokens_is_read_whole(chars_a_token, read):
     """A text prompt is read 64 characters a position past ``max_seq_len`` first (a huge

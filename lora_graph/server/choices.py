@@ -1,5 +1,6 @@
 """One choice of a completion as it streams: its tokens, the text emitted so far, and the
-stop strings that end it (cut from the text, never returned)."""
+stop strings that end it (cut from the text, or kept with vLLM's
+``include_stop_str_in_output``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class Choice:
     Its text is its tokens decoded after its prompt (``detok``: a SentencePiece word keeps
     its leading space); the EOS or stop token that ends it (``stop_tokens``: the engine's
     rule) adds no text, and stop strings count from ``min_tokens`` tokens on, as in vLLM.
+    With ``include_stop`` (vLLM's ``include_stop_str_in_output``) the text keeps the stop
+    string that ended it, and the stop token's text.
     """
 
     index: int
@@ -25,6 +28,7 @@ class Choice:
     detok: Detokenizer
     stop_tokens: frozenset[int] = frozenset()
     min_tokens: int = 0
+    include_stop: bool = False
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     finish_reason: str | None = None
@@ -41,10 +45,11 @@ class Choice:
 
     def on_token(self, token: int) -> str:
         """Take a generated token; return the text it newly emits. A stop string ends the
-        choice (``finish_reason`` ``"stop"``, the string cut); text that may be the start
-        of a stop string, or an incomplete character, is held back until it is not."""
+        choice (``finish_reason`` ``"stop"``, the string cut, or kept with
+        ``include_stop``); text that may be the start of a stop string (unless it is kept
+        anyway), or an incomplete character, is held back until it is not."""
         self.tokens.append(token)
-        if token in self.stop_tokens:  # the engine ends the request on it
+        if token in self.stop_tokens and not self.include_stop:  # the engine ends on it
             return ""
         start = len(self.detok.text)
         if not self.detok.add(token):
@@ -53,15 +58,19 @@ class Choice:
         if len(self.tokens) >= self.min_tokens:
             longest = max((len(stop) for stop in self.stops), default=0)
             start = max(len(self.text), start - longest + 1)
-            hits = [at for stop in self.stops if (at := full.find(stop, start)) >= 0]
+            hits = [(at, -len(stop)) for stop in self.stops if (at := full.find(stop, start)) >= 0]
             if hits:
                 self.finish_reason = "stop"
                 self.done = True
-                return self._emit(full[: min(hits)])
+                at, minus_len = min(hits)  # the first; of those there, the longest
+                return self._emit(full[: at - minus_len if self.include_stop else at])
         return self._emit(full[: len(full) - self._held_back(full)])
 
     def _held_back(self, full: str) -> int:
-        """How many final characters of ``full`` may be the start of a stop string."""
+        """How many final characters of ``full`` may be the start of a stop string (none
+        when a stop string is kept: its start is returned either way)."""
+        if self.include_stop:
+            return 0
         longest = max((len(s) - 1 for s in self.stops), default=0)
         for k in range(min(longest, len(full)), 0, -1):
             if any(s.startswith(full[-k:]) for s in self.stops):

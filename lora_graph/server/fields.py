@@ -76,7 +76,11 @@ FIELDS: dict[str, Rule] = {
         "the request's own generator: the same seed, the same text; a "
         "negative seed (64-bit) wraps mod 2**64",
     ),
-    "stop": Rule(SERVED, "up to 4 strings; the text is cut before the first one"),
+    "stop": Rule(
+        SERVED,
+        "up to 4 strings; the text is cut before the first one (or after it: "
+        "`include_stop_str_in_output`)",
+    ),
     "stream": Rule(SERVED, "server-sent events, OpenAI's chunk objects, then `[DONE]`"),
     "stream_options": Rule(SERVED, "`include_usage`: a last chunk with the usage and no choices"),
     "user": Rule(IGNORED, "an end-user id for the caller's own records"),
@@ -154,8 +158,12 @@ FIELDS: dict[str, Rule] = {
     ),
     "use_beam_search": Rule(NOOP, "beam search is not served", noop=(False,)),
     "length_penalty": Rule(NOOP, "only for beam search, which is not served", noop=(1,)),
-    "include_stop_str_in_output": Rule(NOOP, "stop strings are always cut", noop=(False,)),
-    "skip_special_tokens": Rule(NOOP, "special tokens are always skipped", noop=(True,)),
+    "include_stop_str_in_output": Rule(
+        SERVED, "true: the text keeps the stop string (or stop token's text) that ended it"
+    ),
+    "skip_special_tokens": Rule(
+        SERVED, "false: special tokens' text is kept (an ending EOS or stop token's still cut)"
+    ),
     "spaces_between_special_tokens": Rule(NOOP, "the tokenizer's decoding", noop=(True,)),
     "allowed_token_ids": Rule(REFUSED, "not served yet"),
     "bad_words": Rule(REFUSED, "not served yet"),

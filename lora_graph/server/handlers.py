@@ -151,13 +151,15 @@ class OpenAIServing:
         aloop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
         stops = stops_of(gen.body)
+        skip_special = gen.body.skip_special_tokens is not False  # (None: vLLM's true)
+        include_stop = bool(gen.body.include_stop_str_in_output)
         n = gen.n
 
         def choice(i: int) -> Choice:
             s = sampling[i // n]
-            detok = Detokenizer(self.tokenizer, prompts[i // n])
+            detok = Detokenizer(self.tokenizer, prompts[i // n], skip_special)
             ends = s.stop_tokens(self.engine.eos_token_ids)
-            return Choice(i, f"{base}-{i}", stops, detok, ends, s.min_tokens)
+            return Choice(i, f"{base}-{i}", stops, detok, ends, s.min_tokens, include_stop)
 
         gen.choices = [choice(i) for i in range(n * len(prompts))]
         gen.prompts = prompts
