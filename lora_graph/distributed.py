@@ -295,19 +295,32 @@ class Workers:
 
 def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Workers:
     """Start ranks ``1..size-1``, each a spawned process that builds ``cls(*args,
-    **kwargs)`` (``build``, pickled) at its rank and serves rank 0's commands."""
+    **kwargs)`` (``build``, pickled) at its rank and serves rank 0's commands. Each starts
+    with SIGINT and SIGTERM ignored (:func:`leave_signals_to_rank_0` from its first
+    instruction: an ignored signal stays ignored across ``exec``, and Python installs its
+    KeyboardInterrupt handler only over the default one), so a Ctrl-C while a worker still
+    imports is rank 0's alone too."""
     ctx = multiprocessing.get_context("spawn")
     processes = []
-    for rank in range(1, size):
-        p = ctx.Process(
-            target=_worker_main,
-            args=(rank, init_method, build),
-            name=f"lora_graph-tp-rank{rank}",
-            daemon=True,
-        )
-        p.start()
-        processes.append(p)
+    main = threading.current_thread() is threading.main_thread()
+    kept = [(sig, signal.signal(sig, signal.SIG_IGN)) for sig in _LEFT_TO_RANK_0] if main else []
+    try:
+        for rank in range(1, size):
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, init_method, build),
+                name=f"lora_graph-tp-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            processes.append(p)
+    finally:
+        for sig, handler in kept:  # (a signal in these milliseconds is lost)
+            signal.signal(sig, handler)
     return Workers(processes)
+
+
+_LEFT_TO_RANK_0 = (signal.SIGINT, signal.SIGTERM)
 
 
 def leave_signals_to_rank_0() -> None:
@@ -318,8 +331,8 @@ def leave_signals_to_rank_0() -> None:
     spawned ones' watch on their parent; torchrun kills its own); ``Workers.close`` kills
     one that does not stop. Main thread only (Python's signal handlers)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in _LEFT_TO_RANK_0:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _worker_main(rank: int, init_method: str, build: tuple[Any, ...]) -> None:

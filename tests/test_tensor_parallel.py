@@ -372,6 +372,39 @@ def test_close_kills_a_worker_that_does_not_take_stop(models):
     assert "closed; worker alive: False" in done.stdout, done.stdout + done.stderr
 
 
+def test_a_worker_still_importing_ignores_ctrl_c(models):
+    """Ctrl-C in a terminal signals every process of the group, a worker still importing
+    torch included: it ignores SIGINT and SIGTERM from its start (before, it died with a
+    KeyboardInterrupt traceback and rank 0 stopped, blaming it). Both signals sent to each
+    worker right after its start; the pipeline then serves."""
+    base, _ = models("llama3")
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_tensor_parallel import _pipeline, _prefill_logits
+        from lora_graph import distributed
+        start = distributed.start_workers
+
+        def signalled(*args, **kwargs):
+            workers = start(*args, **kwargs)
+            for p in workers.processes:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+                    os.kill(p.pid, sig)
+            return workers
+
+        distributed.start_workers = signalled
+        pipe = _pipeline({str(base)!r}, {{}}, 2)
+        print("served:", _prefill_logits(pipe, [None])[0].shape)
+        pipe.close()
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "served: torch.Size([" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("where", ["joining", "building"])
 def test_ctrl_c_at_start_up_kills_the_workers_quietly(models, where):
     """A KeyboardInterrupt on rank 0 at start-up, its worker started: while joining the
