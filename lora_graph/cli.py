@@ -81,6 +81,8 @@ def _check_sampling(defaults: SamplingParams) -> None:
 
 def cmd_generate(args: argparse.Namespace, stdout: TextIO) -> int:
     _check_output(args.output)
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise CliError(f"--seed must be an integer in [0, 2**64), got {args.seed}")
     _check_sampling(
         SamplingParams(
             max_new_tokens=args.max_new_tokens,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,8 @@ class SamplingParams:
         temperature: 0 for greedy; otherwise logits are divided by it before sampling.
         top_k: keep the k most likely tokens (0, or vLLM's -1: all).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
-        seed: seeds the request's own generator (None: drawn from ``torch``'s global RNG).
+        seed: seeds the request's own generator (None, or vLLM's -1: drawn from
+            ``torch``'s global RNG).
         stop_token_ids: tokens that end the request (kept in the output), besides EOS.
         ignore_eos: keep generating past EOS.
         logprobs: None, or return each generated token's log-probability and the ``k``
@@ -73,6 +75,24 @@ class SamplingParams:
     min_p: float = 0.0
     grammar: Grammar | None = None
 
+    def __post_init__(self) -> None:
+        """vLLM's readings: a seed of -1 is no seed; numbers of other integer and real
+        types (numpy's ``int64``, ``float32``) are taken as Python's ``int`` and ``float``
+        (anything else is left for :meth:`validate` to refuse)."""
+        for name in _NUMBERS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or type(v) in (int, float):
+                continue
+            if isinstance(v, numbers.Integral):
+                object.__setattr__(self, name, int(v))
+            elif isinstance(v, numbers.Real):
+                object.__setattr__(self, name, float(v))
+        ids = self.stop_token_ids
+        if isinstance(ids, (tuple, list)) and all(_integral(t) for t in ids):
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if is_int(self.seed) and self.seed == -1:
+            object.__setattr__(self, "seed", None)
+
     def stop_tokens(self, eos_token_ids: Collection[int]) -> frozenset[int]:
         """The tokens that end a request under these parameters, as the engine ends it
         (``LLMEngine._finish_reason``): ``stop_token_ids``, and EOS unless ``ignore_eos``.
@@ -115,7 +135,9 @@ class SamplingParams:
         if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64) or null, got {self.seed!r}")
+            raise ValueError(
+                f"seed must be an integer in [0, 2**64), null or -1 (none), got {self.seed!r}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
@@ -162,6 +184,15 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r}"
                 )
+
+
+_NUMBERS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "min_tokens", "min_p", "logprobs",
+            "prompt_logprobs")  # fmt: skip
+
+
+def _integral(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 # the most top log-probabilities a token may ask for (OpenAI's completions limit)

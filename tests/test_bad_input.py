@@ -62,7 +62,7 @@ BAD_REQUESTS = [
     ({"seed": "abc", "temperature": 1.0}, "seed must be an integer"),
     ({"seed": 1.5, "temperature": 1.0}, "seed must be an integer"),
     ({"seed": 2**70, "temperature": 1.0}, "seed must be an integer in [0, 2**64)"),
-    ({"seed": -1, "temperature": 1.0}, "seed must be an integer in [0, 2**64)"),
+    ({"seed": -2, "temperature": 1.0}, "seed must be an integer in [0, 2**64)"),
     ({"temperature": math.nan}, "temperature must be a finite number"),
     ({"temperature": math.inf}, "temperature must be a finite number"),
     ({"temperature": 1e-45}, "is below 0.01"),
@@ -651,6 +651,19 @@ def test_any_odd_value_in_the_python_api_finishes_its_request_with_an_error(tiny
     # "not integers in [0, vocab)"): the same tokens as Python ints
     np_ids = Request("np", list(np.array([1, 2, 3])), None, SamplingParams(max_new_tokens=2))
     assert engine.generate([np_ids])[0].token_ids == served[0].token_ids
+    # and in SamplingParams (they were refused: "must be an integer", "a finite number")
+    numpy_sampling = SamplingParams(
+        max_new_tokens=np.int64(2), temperature=np.float32(0.5), top_k=np.int32(3),
+        seed=np.uint64(7), stop_token_ids=[np.int64(100)], min_p=np.float64(0.0),
+    )  # fmt: skip
+    plain = SamplingParams(max_new_tokens=2, temperature=0.5, top_k=3, seed=7,
+                           stop_token_ids=(100,))  # fmt: skip
+    assert numpy_sampling == dataclasses.replace(plain, temperature=float(np.float32(0.5)))
+    out = engine.generate([Request(f"n{i}", [1, 2, 3], None, s)
+                           for i, s in enumerate((numpy_sampling, plain))])  # fmt: skip
+    assert out[0].error is None and out[0].token_ids == out[1].token_ids
+    # vLLM's seed -1 is no seed
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=np.int8(-1)).seed is None
 
 
 def _mutate_line(rng: random.Random, req: dict) -> bytes:
@@ -810,3 +823,14 @@ def test_seed_flag_is_the_runs_seed_as_vllms(tiny, tmp_path):
     assert first == again
     assert first["r0"] != first["r1"] and first["r0"] != other["r0"]
     assert first["own"] == other["own"]
+    # a line's -1 is no seed of its own (vLLM's), so the run's seed decides; the flag
+    # itself takes no -1 (its message said "or null")
+    minus = [{**line, "id": "r0", "seed": -1}, {**line, "id": "r1"}]
+    got = _serve_file(tiny, tmp_path, "\n".join(map(json.dumps, minus)).encode(), ["--seed", "5"])
+    assert {r["id"]: r["token_ids"] for r in got} == {"r0": first["r0"], "r1": first["r1"]}
+
+
+def test_seed_flag_out_of_range_is_named(tiny, capsys):
+    assert _run(tiny, ["--prompt", "hi", "--seed", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed must be an integer in [0, 2**64), got -1" in err and "null" not in err

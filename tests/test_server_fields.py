@@ -691,17 +691,19 @@ def test_a_text_prompt_of_long_tokens_is_read_whole(chars_a_token, read):
 
 
 def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
-    """A temperature in (0, 0.01) (AutoGen sends 1e-5) is raised to 0.01, a negative seed
-    (clients send -1) wraps mod 2**64, and ``4.0`` is taken for an integer, as vLLM takes
-    them; each was refused (400)."""
+    """A temperature in (0, 0.01) (AutoGen sends 1e-5) is raised to 0.01, a seed of -1 is
+    no seed (vLLM's ``SamplingParams``: clients send it for "random"; it was a fixed seed
+    here, the same text every call), another negative seed wraps mod 2**64, and ``4.0`` is
+    taken for an integer, as vLLM takes them; each was refused (400) at first."""
     body = {"model": "pirate", "prompt": srv.prompts[0], "max_tokens": 6}
 
     def text(**kw):
         return post(srv, "/v1/completions", {**body, **kw})["choices"][0]["text"]
 
     assert text(temperature=1e-5, seed=3) == text(temperature=0.01, seed=3)
-    assert text(temperature=1.0, seed=-1) == text(temperature=1.0, seed=2**64 - 1)
-    assert text(temperature=1.0, seed=-1) != text(temperature=1.0, seed=1)
+    assert text(temperature=1.0, seed=-2) == text(temperature=1.0, seed=2**64 - 2)
+    assert text(temperature=1.0, seed=-2) != text(temperature=1.0, seed=1)
+    assert len({text(temperature=1.0, seed=-1) for _ in range(3)}) > 1
     err = post(srv, "/v1/completions", {**body, "seed": -(2**63) - 1}, 400)["error"]
     assert "seed must be an integer in [-2**63, 2**64)" in err["message"]
     # an integral float for an integer (vLLM's lax models take it): 4.0 is 4; 4.5 is not

@@ -73,8 +73,8 @@ FIELDS: dict[str, Rule] = {
     "n": Rule(SERVED, "choices per prompt, 1-16; choice i draws with seed + i"),
     "seed": Rule(
         SERVED,
-        "the request's own generator: the same seed, the same text; a "
-        "negative seed (64-bit) wraps mod 2**64",
+        "the request's own generator: the same seed, the same text; -1 is no seed "
+        "(vLLM's), another negative seed (64-bit) wraps mod 2**64",
     ),
     "stop": Rule(
         SERVED,

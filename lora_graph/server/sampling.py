@@ -86,7 +86,9 @@ def sampling_of(
         log.warning("temperature %g raised to %g (below it sampling is unstable)",
                     temperature, MIN_TEMPERATURE)  # fmt: skip
         temperature = MIN_TEMPERATURE
-    seed = body.seed  # vLLM takes any 64-bit integer (clients send -1): a negative one wraps
+    seed = body.seed  # vLLM takes any 64-bit integer, -1 as no seed; another negative wraps
+    if seed == -1:
+        seed = None
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise APIError(400, f"seed must be an integer in [-2**63, 2**64), got {seed}", param="seed")
     if seed is not None and seed < 0:
