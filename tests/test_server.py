@@ -1119,7 +1119,8 @@ def test_runtime_reloads_racing_hundreds_of_requests(tmp_path):
 
 def test_a_stopped_engine_is_a_503_on_every_route(tmp_path):
     """With the engine thread gone (a dead tensor-parallel worker stops it), runtime loads
-    and unloads answer 503 as completions do (a helper found them a 500 with a traceback)."""
+    and unloads answer 503 as completions do (a helper found them a 500 with a traceback),
+    and so do tokenize and detokenize, which need no engine step."""
     from fastapi.testclient import TestClient
 
     engine, tokenizer = build_engine(
@@ -1135,6 +1136,8 @@ def test_a_stopped_engine_is_a_503_on_every_route(tmp_path):
             ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
             ("/v1/load_lora_adapter", {"lora_name": "p", "lora_path": str(tmp_path / "pirate")}),
             ("/v1/unload_lora_adapter", {"lora_name": "p"}),
+            ("/v1/tokenize", {"prompt": "hi"}),  # (they answered 200)
+            ("/v1/detokenize", {"tokens": [5]}),
         ]:
             r = client.post(path, json=body)
             assert r.status_code == 503, (path, r.text)
@@ -1146,7 +1149,7 @@ def test_stopping_an_engine_stuck_in_a_step_waits_once():
     collective) does not take the abort: ``stop`` gives it up after that one wait instead of
     waiting as long again to join it (a helper timed a shutdown at twice what the README
     says)."""
-    from lora_graph.server.engine_loop import EngineLoop
+    from lora_graph.server.engine_loop import EngineLoop, EngineStopped
 
     release = threading.Event()
 
@@ -1166,8 +1169,40 @@ def test_stopping_an_engine_stuck_in_a_step_waits_once():
     join = loop._thread.join
     loop._thread.join = lambda timeout=None: joins.append(timeout) or join(timeout)  # type: ignore[method-assign]
     try:
+        queued = loop.call(lambda: "ran")  # (a runtime load behind the stuck step)
         loop.stop(timeout=0.2)
         assert joins == [0]
+        # the queued command and any later one are refused as a stopped engine's (503);
+        # the queued one waited until the server's own timeout cut it (a 500)
+        assert isinstance(queued.exception(timeout=0), EngineStopped)
+        assert isinstance(loop.call(lambda: "ran").exception(timeout=0), EngineStopped)
     finally:
         release.set()
         join(5)
+
+
+def test_commands_queued_when_the_engine_fails_are_refused_as_stopped():
+    """A command waiting behind a step that raises (a runtime load while the engine fails)
+    is an ``EngineStopped`` (503), not the engine's RuntimeError (a 500 with a traceback)."""
+    from lora_graph.server.engine_loop import EngineLoop, EngineStopped
+
+    entered, release = threading.Event(), threading.Event()
+
+    class FailingEngine:
+        finished: dict = {}
+
+        def has_unfinished(self) -> bool:
+            return True
+
+        def step(self) -> list:
+            entered.set()
+            release.wait()
+            raise RuntimeError("boom in step")
+
+    loop = EngineLoop(FailingEngine())  # type: ignore[arg-type]
+    loop.start()
+    assert entered.wait(5)
+    queued = loop.call(lambda: "ran")
+    release.set()
+    assert isinstance(queued.exception(timeout=5), EngineStopped)
+    assert not loop.alive and "boom in step" in repr(loop.error)

@@ -70,6 +70,9 @@ class EngineLoop:
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(0 if stuck else timeout)  # (a stuck one does not end by waiting)
+        if self._thread.is_alive():  # stuck in a step: refuse what comes next
+            self.error = self.error or EngineStopped("the engine was stopped inside a step")
+        self._fail_commands()  # (queued: a runtime load would wait for it forever)
 
     @property
     def alive(self) -> bool:
@@ -83,6 +86,8 @@ class EngineLoop:
             future.set_exception(EngineStopped("the engine is not running"))
             return future
         self._commands.put((fn, future))
+        if not self.alive:  # (it stopped in between: its queue may never be read again)
+            self._fail_commands()
         return future
 
     def submit(self, request: Request, watcher: Watcher) -> None:
@@ -117,6 +122,18 @@ class EngineLoop:
         for request_id, watcher in list(self._watchers.items()):
             with contextlib.suppress(Exception):
                 watcher.on_finish(RequestOutput(request_id, None, error=reason))
+        self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        """Answer every queued command :class:`EngineStopped` (a 503): the engine thread
+        ended, or is stuck in a step, and will not run them."""
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():  # (False: its caller gave up)
+                future.set_exception(EngineStopped("the engine is not running"))
 
     def _run_commands(self, block: bool) -> bool:
         """Run the queued commands (waiting up to 50 ms for one if ``block``); return
@@ -159,14 +176,8 @@ class EngineLoop:
                 "the engine failed; every request in flight is failed and the server answers "
                 "503 until it is restarted"
             )
-            self.fail_all(f"engine failed: {e!r}")  # (each watcher, whatever the others do)
+            self.fail_all(f"engine failed: {e!r}")  # (each watcher, and the queued commands)
             self._watchers.clear()
-            while True:
-                try:
-                    _, future = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                future.set_exception(RuntimeError(f"engine failed: {e!r}"))
 
     def _deliver_finished(self) -> None:
         for request_id in [i for i in self.engine.finished if i in self._watchers]:

@@ -98,6 +98,11 @@ class OpenAIServing:
         except EngineStopped as e:
             raise APIError(503, str(e)) from e
 
+    def check_running(self) -> None:
+        """Raises APIError 503 if the engine is not running (routes that do not call it)."""
+        if not self.loop().alive:
+            raise APIError(503, "the engine is not running")
+
     def abort(self, choices: list[Choice]) -> None:
         """Abort the engine requests of ``choices`` that have not finished."""
         pending = [c.request_id for c in choices if not c.engine_done]
@@ -435,7 +440,9 @@ class OpenAIServing:
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         """``POST /tokenize`` (and ``/v1/tokenize``), vLLM's: a ``prompt``'s token ids, or
-        chat ``messages`` through the template; ``{"count", "max_model_len", "tokens"}``."""
+        chat ``messages`` through the template; ``{"count", "max_model_len", "tokens"}``
+        (503 with the engine stopped, as every route but ``/metrics``)."""
+        self.check_running()
         check_extras(body, strict=self.config.strict_fields)
         if body.model is not None:
             self.adapter_of(body.model)
@@ -450,6 +457,7 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
         """``POST /detokenize`` (and ``/v1/detokenize``), vLLM's: ``{"prompt": text}``."""
+        self.check_running()
         check_extras(body, strict=self.config.strict_fields)
         if body.model is not None:
             self.adapter_of(body.model)
