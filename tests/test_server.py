@@ -277,6 +277,9 @@ def test_chat_needs_a_template_then_matches(served, client):
         ({"model": MODEL, "prompt": [0, 2**32]}, "got 4294967296"),
         ({"model": MODEL, "prompt": [[0, 2**64]]}, "token ids must be in"),
         ({"model": MODEL, "prompt": [[0], [0, -5]]}, "prompt[1]'s token ids must be in"),
+        # an empty prompt of several is named (it was "the prompt is empty", param null)
+        ({"model": MODEL, "prompt": [[5], []]}, "prompt[1] is empty (no tokens)"),
+        ({"model": MODEL, "prompt": []}, "prompt is empty"),
         ({"model": MODEL}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, "max_tokens"),  # strict types
@@ -294,7 +297,7 @@ def test_chat_needs_a_template_then_matches(served, client):
             {"model": MODEL, "prompt": "a\ud800"},
             "prompt is not valid Unicode text (surrogates not allowed at 1)",
         ),
-        ({"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, "seed"),  # (-1 wraps)
+        ({"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, "seed"),  # (-2 wraps)
         # OpenAI and vLLM refuse stream options for a response that is not streamed
         (
             {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},

@@ -711,3 +711,16 @@ def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
     assert len(out["choices"]) == 2 and out["usage"]["completion_tokens"] == 8
     err = post(srv, "/v1/completions", {**body, "max_tokens": 4.5}, 400)["error"]
     assert err["param"] == "max_tokens", err
+    # and inside lists of token ids (they were refused: "Input should be a valid integer")
+    ids = srv.ids[0]
+    as_ints = post(srv, "/v1/completions", {**body, "prompt": ids, "temperature": 0})
+    as_floats = {**body, "prompt": [float(t) for t in ids], "temperature": 0,
+                 "stop_token_ids": [float(srv.tokenizer.eos_token_id)]}  # fmt: skip
+    want = as_ints["choices"][0]["text"]
+    assert post(srv, "/v1/completions", as_floats)["choices"][0]["text"] == want
+    two = post(srv, "/v1/completions", {**as_floats, "prompt": [as_floats["prompt"]] * 2})
+    assert [c["text"] for c in two["choices"]] == [want] * 2
+    out = post(srv, "/v1/detokenize", {"tokens": [float(t) for t in ids]})
+    assert out == post(srv, "/v1/detokenize", {"tokens": ids})
+    err = post(srv, "/v1/completions", {**body, "prompt": [5.5]}, 400)["error"]
+    assert err["param"] == "prompt", err

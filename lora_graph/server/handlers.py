@@ -230,6 +230,8 @@ class OpenAIServing:
         where = "messages" if chat else "prompt"
         for k, ids in enumerate(prompts):
             which = f"{where}[{k}]" if len(prompts) > 1 else "the prompt"
+            if not ids:
+                raise APIError(400, f"{which} is empty (no tokens)", param=where)
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:  # (before anything decodes them)
                 raise APIError(

@@ -124,7 +124,7 @@ if HAVE_SERVER_DEPS:
         min_p: float | None = None
         seed: Int | None = None
         stop: str | list[str] | None = None
-        stop_token_ids: list[int] | None = None
+        stop_token_ids: list[Int] | None = None
         ignore_eos: bool | None = None
         n: Int | None = None
         stream: bool | None = None
@@ -142,7 +142,7 @@ if HAVE_SERVER_DEPS:
         include_stop_str_in_output: bool | None = None
         skip_special_tokens: bool | None = None
         spaces_between_special_tokens: bool | None = None
-        allowed_token_ids: list[int] | None = None
+        allowed_token_ids: list[Int] | None = None
         bad_words: list[str] | None = None
         logits_processors: Any = None
         truncate_prompt_tokens: Int | None = None
@@ -162,7 +162,7 @@ if HAVE_SERVER_DEPS:
         add_special_tokens: bool | None = None
 
     class CompletionBody(_Sampling):
-        prompt: str | list[int] | list[str] | list[list[int]]
+        prompt: str | list[Int] | list[str] | list[list[Int]]
         logprobs: Int | None = None
         echo: bool | None = None
         best_of: Int | None = None
@@ -213,7 +213,7 @@ if HAVE_SERVER_DEPS:
 
     class EmbeddingBody(_Body):
         model: str
-        input: str | list[str] | list[int] | list[list[int]]
+        input: str | list[str] | list[Int] | list[list[Int]]
         encoding_format: Literal["float", "base64"] = "float"
         dimensions: Int | None = None
         user: str | None = None
@@ -236,4 +236,4 @@ if HAVE_SERVER_DEPS:
 
     class DetokenizeBody(_Body):
         model: str | None = None
-        tokens: list[int]
+        tokens: list[Int]
