@@ -57,7 +57,8 @@ class Choice:
         full = self.detok.text
         if len(self.tokens) >= self.min_tokens:
             longest = max((len(stop) for stop in self.stops), default=0)
-            start = max(len(self.text), start - longest + 1)
+            # (a stop string's start is never emitted, unless it is kept: then it may be)
+            start = max(0 if self.include_stop else len(self.text), start - longest + 1)
             hits = [(at, -len(stop)) for stop in self.stops if (at := full.find(stop, start)) >= 0]
             if hits:
                 self.finish_reason = "stop"
