@@ -90,6 +90,15 @@ class SamplingParams:
         ids = self.stop_token_ids
         if isinstance(ids, (tuple, list)) and all(_integral(t) for t in ids):
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        bias = self.logit_bias
+        if isinstance(bias, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and _integral(p[0]) and _real(p[1])
+            for p in bias
+        ):
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        flag: Any = self.ignore_eos  # (numpy's bool_ is no bool)
+        if getattr(getattr(flag, "dtype", None), "kind", None) == "b" and flag.shape == ():
+            object.__setattr__(self, "ignore_eos", bool(flag))
         if is_int(self.seed) and self.seed == -1:
             object.__setattr__(self, "seed", None)
 
@@ -193,6 +202,10 @@ _NUMBERS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "presence
 
 def _integral(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 # the most top log-probabilities a token may ask for (OpenAI's completions limit)

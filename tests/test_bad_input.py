@@ -662,6 +662,11 @@ def test_any_odd_value_in_the_python_api_finishes_its_request_with_an_error(tiny
     out = engine.generate([Request(f"n{i}", [1, 2, 3], None, s)
                            for i, s in enumerate((numpy_sampling, plain))])  # fmt: skip
     assert out[0].error is None and out[0].token_ids == out[1].token_ids
+    with_bool = SamplingParams(
+        ignore_eos=np.bool_(True), logit_bias=((np.int64(3), np.float32(1)),)
+    )
+    assert (with_bool.ignore_eos, with_bool.logit_bias) == (True, ((3, 1.0),))
+    with_bool.validate()
     # vLLM's seed -1 is no seed
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=np.int8(-1)).seed is None
 

@@ -1184,6 +1184,40 @@ def test_stopping_an_engine_stuck_in_a_step_waits_once():
         join(5)
 
 
+def test_a_step_that_breaks_after_stop_is_not_logged_as_an_engine_failure(caplog):
+    """A step stuck at shutdown whose collective breaks once the workers are killed ends
+    the engine thread with an info line, not "the engine failed" and a 60-line traceback
+    after the server said it finished (a helper's Ctrl-C on a server with a hung worker)."""
+    import logging
+
+    from lora_graph.server.engine_loop import EngineLoop
+
+    entered, release = threading.Event(), threading.Event()
+
+    class BreakingEngine:
+        finished: dict = {}
+
+        def has_unfinished(self) -> bool:
+            return True
+
+        def step(self) -> list:
+            entered.set()
+            release.wait()
+            raise RuntimeError("Connection reset by peer")
+
+    caplog.set_level(logging.INFO, logger="lora_graph.server")
+    loop = EngineLoop(BreakingEngine())  # type: ignore[arg-type]
+    loop.start()
+    assert entered.wait(5)
+    loop.stop(timeout=0.2)
+    release.set()
+    loop._thread.join(5)
+    records = [r for r in caplog.records if r.name == "lora_graph.server"]
+    assert [r.levelname for r in records] == ["INFO"], [r.getMessage() for r in records]
+    assert "ended inside a step at shutdown" in records[0].getMessage()
+    assert records[0].exc_info is None
+
+
 def test_commands_queued_when_the_engine_fails_are_refused_as_stopped():
     """A command waiting behind a step that raises (a runtime load while the engine fails)
     is an ``EngineStopped`` (503), not the engine's RuntimeError (a 500 with a traceback)."""

@@ -559,6 +559,14 @@ def test_tool_choice_named_required_auto_and_streamed(srv):
                                 tool["function"]["parameters"])  # fmt: skip
             if choice != "required":
                 assert call.function.name == "get_weather"
+        # the call still read with the ending EOS's text kept after its JSON (a helper found
+        # it dropped: the text did not parse as JSON with "</s>" after it)
+        r = sdk.chat.completions.create(
+            model="pirate", messages=hello, max_tokens=90, tools=[WEATHER], tool_choice="required",
+            extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
         r = sdk.chat.completions.create(model="pirate", messages=hello, max_tokens=8,
                                         temperature=0, tools=[WEATHER, TIME])  # fmt: skip
         assert r.choices[0].message.content == srv.text(srv.tools_ref)
@@ -621,6 +629,11 @@ def test_stop_tokens_add_no_text_and_stop_strings_wait_for_min_tokens(srv):
     out = post(srv, "/v1/completions", {**body, "stop": [first], "min_tokens": 3})
     assert out["usage"]["completion_tokens"] >= 3
     assert out["choices"][0]["text"].startswith(first + srv.text(ref[1:3]))
+    # vLLM's count: stop strings once more than min_tokens tokens are out (one in the first
+    # token stopped the choice at min_tokens 1: a helper found it one token early)
+    out = post(srv, "/v1/completions", {**body, "stop": [first], "min_tokens": 1})
+    assert out["usage"]["completion_tokens"] >= 2
+    assert out["choices"][0]["text"].startswith(first)
 
 
 def _streamed(srv, body: dict) -> str:
@@ -641,7 +654,11 @@ def test_include_stop_str_in_output_and_skip_special_tokens_false(srv):
     # two characters across a token boundary (the first sent before the second is known)
     ends = [len(srv.text(ref[:k])) for k in range(1, len(ref))]
     at = next(
-        b - 1 for b in ends if 0 < b < len(text) - 1 and text.find(text[b - 1 : b + 1]) == b - 1
+        b - 1
+        for b in ends
+        if 0 < b < len(text) - 1
+        and text.find(text[b - 1 : b + 1]) == b - 1
+        and text.find(text[b]) == b  # (its second character alone: first there too)
     )
     stop = text[at : at + 2]
     for include, want in ((False, text[:at]), (True, text[: at + len(stop)])):
@@ -649,6 +666,11 @@ def test_include_stop_str_in_output_and_skip_special_tokens_false(srv):
         out = post(srv, "/v1/completions", both)["choices"][0]
         assert (out["text"], out["finish_reason"]) == (want, "stop"), (include, out)
         assert _streamed(srv, both) == want
+    # two stop strings found in one token: the first listed wins, as in vLLM (the earliest
+    # in the text did), whether or not it starts first
+    for stops, want in (([stop[1], stop], text[: at + 1]), ([stop, stop[1]], text[:at])):
+        out = post(srv, "/v1/completions", {**body, "stop": stops})["choices"][0]
+        assert out["text"] == want == _streamed(srv, {**body, "stop": stops}), stops
     # a stop token's text is kept with it
     stop_at = next(i for i in range(1, 6) if ref[i] not in ref[:i])
     keep = {**body, "stop_token_ids": [ref[stop_at]], "include_stop_str_in_output": True}
@@ -727,3 +749,6 @@ def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
     assert out == post(srv, "/v1/detokenize", {"tokens": ids})
     err = post(srv, "/v1/completions", {**body, "prompt": [5.5]}, 400)["error"]
     assert err["param"] == "prompt", err
+    # the engine's refusals name their field (it was null)
+    err = post(srv, "/v1/completions", {**body, "stop_token_ids": [99999]}, 400)["error"]
+    assert err["param"] == "stop_token_ids" and "must be in [0, " in err["message"], err

@@ -17,7 +17,8 @@ class Choice:
 
     Its text is its tokens decoded after its prompt (``detok``: a SentencePiece word keeps
     its leading space); the EOS or stop token that ends it (``stop_tokens``: the engine's
-    rule) adds no text, and stop strings count from ``min_tokens`` tokens on, as in vLLM.
+    rule) adds no text, and stop strings count once more than ``min_tokens`` tokens are
+    out, in text after those (vLLM's rules; of several found at once, the first listed).
     With ``include_stop`` (vLLM's ``include_stop_str_in_output``) the text keeps the stop
     string that ended it, and the stop token's text.
     """
@@ -55,16 +56,16 @@ class Choice:
         if not self.detok.add(token):
             return ""
         full = self.detok.text
-        if len(self.tokens) >= self.min_tokens:
+        if len(self.tokens) > self.min_tokens:
             longest = max((len(stop) for stop in self.stops), default=0)
             # (a stop string's start is never emitted, unless it is kept: then it may be)
             start = max(0 if self.include_stop else len(self.text), start - longest + 1)
-            hits = [(at, -len(stop)) for stop in self.stops if (at := full.find(stop, start)) >= 0]
-            if hits:
-                self.finish_reason = "stop"
-                self.done = True
-                at, minus_len = min(hits)  # the first; of those there, the longest
-                return self._emit(full[: at - minus_len if self.include_stop else at])
+            for stop in self.stops:  # (vLLM's order: the first of the list found)
+                at = full.find(stop, start)
+                if at >= 0:
+                    self.finish_reason = "stop"
+                    self.done = True
+                    return self._emit(full[: at + len(stop) if self.include_stop else at])
         return self._emit(full[: len(full) - self._held_back(full)])
 
     def _held_back(self, full: str) -> int:

@@ -172,10 +172,14 @@ class EngineLoop:
                     self._on_step()
         except BaseException as e:  # noqa: BLE001 - a fault of the engine: fail every request
             self.error = e
-            logging.getLogger("lora_graph.server").exception(
-                "the engine failed; every request in flight is failed and the server answers "
-                "503 until it is restarted"
-            )
+            log = logging.getLogger("lora_graph.server")
+            if self._stop.is_set():  # (stopped inside a step; its collective broke at exit)
+                log.info("the engine thread ended inside a step at shutdown: %r", e)
+            else:
+                log.exception(
+                    "the engine failed; every request in flight is failed and the server "
+                    "answers 503 until it is restarted"
+                )
             self.fail_all(f"engine failed: {e!r}")  # (each watcher, and the queued commands)
             self._watchers.clear()
 

@@ -78,8 +78,9 @@ FIELDS: dict[str, Rule] = {
     ),
     "stop": Rule(
         SERVED,
-        "up to 4 strings; the text is cut before the first one (or after it: "
-        "`include_stop_str_in_output`)",
+        "up to 4 strings; the text is cut before the first one found (of several found "
+        "in one token, the first listed, as vLLM), or after it with "
+        "`include_stop_str_in_output`",
     ),
     "stream": Rule(SERVED, "server-sent events, OpenAI's chunk objects, then `[DONE]`"),
     "stream_options": Rule(SERVED, "`include_usage`: a last chunk with the usage and no choices"),
@@ -152,7 +153,11 @@ FIELDS: dict[str, Rule] = {
     "repetition_penalty": Rule(
         SERVED, "> 0, transformers' and vLLM's rule over the prompt's and the output's tokens"
     ),
-    "min_tokens": Rule(SERVED, "EOS and `stop_token_ids` held back until this many tokens"),
+    "min_tokens": Rule(
+        SERVED,
+        "EOS and `stop_token_ids` held back until this many tokens; stop strings looked "
+        "for in the text after them (vLLM's rules)",
+    ),
     "prompt_logprobs": Rule(
         SERVED, "`k`: each prompt token's logprob, rank and the top `k` (vLLM's shape)"
     ),

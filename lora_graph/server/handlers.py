@@ -25,7 +25,7 @@ from lora_graph.engine import LLMEngine, Request, RequestOutput, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, EngineStopped, Watcher
-from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
+from lora_graph.server.fields import CHAT, COMPLETIONS, FIELDS, check_extras, check_fields
 from lora_graph.server.generation import Generation
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
@@ -209,7 +209,7 @@ class OpenAIServing:
         try:
             await self.on_engine(submit_all)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=_field_of(str(e), gen.chat)) from e
         except RuntimeError as e:
             raise APIError(503, str(e)) from e
 
@@ -647,3 +647,13 @@ class OpenAIServing:
         if not self.loop().alive:
             return PlainTextResponse("engine stopped", status_code=503)
         return PlainTextResponse("ok")
+
+
+def _field_of(message: str, chat: bool) -> str | None:
+    """The request field an engine refusal names first (its message starts with the
+    engine's name for it: ``stop_token_ids must be in ...``), as the body spells it."""
+    name = message.split(" ", 1)[0].split("'", 1)[0]
+    name = {"max_new_tokens": "max_tokens"}.get(name, name)
+    if name == "prompt" and chat:
+        return "messages"
+    return name if name in FIELDS else None

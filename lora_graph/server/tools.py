@@ -128,9 +128,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 def forced_call(text: str) -> list[dict[str, Any]]:
     """The call of an output held to :func:`call_schema` (empty if it did not complete:
-    the request ran out of tokens first)."""
+    the request ran out of tokens first); text after the call's JSON (the ending EOS's or
+    stop string's, kept with ``skip_special_tokens: false`` and
+    ``include_stop_str_in_output``) is not part of it."""
     try:
-        call = _call(json.loads(text))
+        call = _call(json.JSONDecoder().raw_decode(text.lstrip())[0])
     except json.JSONDecodeError:
         return []
     return [call] if call is not None else []
