@@ -1184,6 +1184,24 @@ def test_stopping_an_engine_stuck_in_a_step_waits_once():
         join(5)
 
 
+class _GatedEngine:
+    """A stand-in engine, always busy, whose step waits for ``release`` and then raises
+    ``error`` (a step stuck in a collective, then broken)."""
+
+    finished: dict = {}
+
+    def __init__(self, error: BaseException) -> None:
+        self.entered, self.release, self.error = threading.Event(), threading.Event(), error
+
+    def has_unfinished(self) -> bool:
+        return True
+
+    def step(self) -> list:
+        self.entered.set()
+        self.release.wait()
+        raise self.error
+
+
 def test_a_step_that_breaks_after_stop_is_not_logged_as_an_engine_failure(caplog):
     """A step stuck at shutdown whose collective breaks once the workers are killed ends
     the engine thread with an info line, not "the engine failed" and a 60-line traceback
@@ -1192,25 +1210,13 @@ def test_a_step_that_breaks_after_stop_is_not_logged_as_an_engine_failure(caplog
 
     from lora_graph.server.engine_loop import EngineLoop
 
-    entered, release = threading.Event(), threading.Event()
-
-    class BreakingEngine:
-        finished: dict = {}
-
-        def has_unfinished(self) -> bool:
-            return True
-
-        def step(self) -> list:
-            entered.set()
-            release.wait()
-            raise RuntimeError("Connection reset by peer")
-
+    engine = _GatedEngine(RuntimeError("Connection reset by peer"))
     caplog.set_level(logging.INFO, logger="lora_graph.server")
-    loop = EngineLoop(BreakingEngine())  # type: ignore[arg-type]
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
     loop.start()
-    assert entered.wait(5)
+    assert engine.entered.wait(5)
     loop.stop(timeout=0.2)
-    release.set()
+    engine.release.set()
     loop._thread.join(5)
     records = [r for r in caplog.records if r.name == "lora_graph.server"]
     assert [r.levelname for r in records] == ["INFO"], [r.getMessage() for r in records]
@@ -1223,23 +1229,11 @@ def test_commands_queued_when_the_engine_fails_are_refused_as_stopped():
     is an ``EngineStopped`` (503), not the engine's RuntimeError (a 500 with a traceback)."""
     from lora_graph.server.engine_loop import EngineLoop, EngineStopped
 
-    entered, release = threading.Event(), threading.Event()
-
-    class FailingEngine:
-        finished: dict = {}
-
-        def has_unfinished(self) -> bool:
-            return True
-
-        def step(self) -> list:
-            entered.set()
-            release.wait()
-            raise RuntimeError("boom in step")
-
-    loop = EngineLoop(FailingEngine())  # type: ignore[arg-type]
+    engine = _GatedEngine(RuntimeError("boom in step"))
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
     loop.start()
-    assert entered.wait(5)
+    assert engine.entered.wait(5)
     queued = loop.call(lambda: "ran")
-    release.set()
+    engine.release.set()
     assert isinstance(queued.exception(timeout=5), EngineStopped)
     assert not loop.alive and "boom in step" in repr(loop.error)
