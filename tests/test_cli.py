@@ -278,3 +278,35 @@ def test_repeated_request_id_is_an_error_line_and_the_rest_are_served(tiny, tmp_
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
     assert len(first["token_ids"]) == 3
     assert "repeats an earlier request's id" in second["error"]
+
+
+def test_ctrl_c_while_torch_imports_exits_130_quietly():
+    """The command interrupted while torch still imports (its first second or two) ends
+    with 130 and no traceback, as later (a helper saw a KeyboardInterrupt traceback): the
+    entry point (``lora_graph.__main__``) imports nothing heavy before it can catch it, and
+    ``import lora_graph`` alone imports no torch."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    light = subprocess.run(
+        [sys.executable, "-c", "import sys, lora_graph; print('torch' in sys.modules)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert light.stdout.strip() == "False", light.stdout + light.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lora_graph", "demo"], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    maps = f"/proc/{proc.pid}/maps"
+    while time.monotonic() < deadline and proc.poll() is None:  # torch's library loading
+        with open(maps) as f:
+            if "libtorch" in f.read():
+                break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
