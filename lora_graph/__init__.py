@@ -8,6 +8,7 @@ Ctrl-C while torch still imports as it answers a later one.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -47,9 +48,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """A name of ``__all__``, or a submodule (``lora_graph.config``), imported now."""
     module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lora_graph' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # (the next use finds it directly)
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

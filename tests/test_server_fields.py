@@ -631,9 +631,10 @@ def test_stop_tokens_add_no_text_and_stop_strings_wait_for_min_tokens(srv):
     assert out["choices"][0]["text"].startswith(first + srv.text(ref[1:3]))
     # vLLM's count: stop strings once more than min_tokens tokens are out (one in the first
     # token stopped the choice at min_tokens 1: a helper found it one token early)
-    out = post(srv, "/v1/completions", {**body, "stop": [first], "min_tokens": 1})
-    assert out["usage"]["completion_tokens"] >= 2
-    assert out["choices"][0]["text"].startswith(first)
+    for stops in ([first], [first, "z" * 30]):  # (a longer stop widened every stop's window)
+        out = post(srv, "/v1/completions", {**body, "stop": stops, "min_tokens": 1})
+        assert out["usage"]["completion_tokens"] >= 2, stops
+        assert out["choices"][0]["text"].startswith(first), stops
 
 
 def _streamed(srv, body: dict) -> str:
@@ -749,6 +750,10 @@ def test_values_vllm_takes_are_taken_as_vllm_takes_them(srv):
     assert out == post(srv, "/v1/detokenize", {"tokens": ids})
     err = post(srv, "/v1/completions", {**body, "prompt": [5.5]}, 400)["error"]
     assert err["param"] == "prompt", err
+    # a limit given as chat's max_completion_tokens is named so (it was called max_tokens)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    err = post(srv, "/v1/chat/completions", {**chat, "max_completion_tokens": 0}, 400)["error"]
+    assert err["param"] == "max_completion_tokens" and "max_tokens" not in err["message"], err
     # the engine's refusals name their field (it was null)
     err = post(srv, "/v1/completions", {**body, "stop_token_ids": [99999]}, 400)["error"]
     assert err["param"] == "stop_token_ids" and "must be in [0, " in err["message"], err

@@ -57,11 +57,11 @@ class Choice:
             return ""
         full = self.detok.text
         if len(self.tokens) > self.min_tokens:
-            longest = max((len(stop) for stop in self.stops), default=0)
-            # (a stop string's start is never emitted, unless it is kept: then it may be)
-            start = max(0 if self.include_stop else len(self.text), start - longest + 1)
+            # each stop string ending in this token's text (vLLM's window, stop by stop);
+            # its start is never emitted, unless it is kept: then it may have been
+            floor = 0 if self.include_stop else len(self.text)
             for stop in self.stops:  # (vLLM's order: the first of the list found)
-                at = full.find(stop, start)
+                at = full.find(stop, max(floor, start - len(stop) + 1))
                 if at >= 0:
                     self.finish_reason = "stop"
                     self.done = True

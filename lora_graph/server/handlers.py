@@ -43,6 +43,7 @@ from lora_graph.server.sampling import (
     Grammars,
     check_best_of,
     logprobs_of,
+    max_tokens_name,
     sampling_of,
     stops_of,
 )
@@ -209,7 +210,7 @@ class OpenAIServing:
         try:
             await self.on_engine(submit_all)
         except ValueError as e:
-            raise APIError(400, str(e), param=_field_of(str(e), gen.chat)) from e
+            raise APIError(400, str(e), param=_field_of(str(e), gen.body, gen.chat)) from e
         except RuntimeError as e:
             raise APIError(503, str(e)) from e
 
@@ -649,11 +650,10 @@ class OpenAIServing:
         return PlainTextResponse("ok")
 
 
-def _field_of(message: str, chat: bool) -> str | None:
+def _field_of(message: str, body: Any, chat: bool) -> str | None:
     """The request field an engine refusal names first (its message starts with the
     engine's name for it: ``stop_token_ids must be in ...``), as the body spells it."""
     name = message.split(" ", 1)[0].split("'", 1)[0]
-    name = {"max_new_tokens": "max_tokens"}.get(name, name)
-    if name == "prompt" and chat:
-        return "messages"
+    chat_names = {"prompt": "messages", "logprobs": "top_logprobs"} if chat else {}
+    name = {"max_new_tokens": max_tokens_name(body), **chat_names}.get(name, name)
     return name if name in FIELDS else None

@@ -77,8 +77,9 @@ def sampling_of(
     n = 1 if body.n is None else body.n
     if not 1 <= n <= 16:
         raise APIError(400, f"n must be in [1, 16], got {n}", param="n")
+    limit = max_tokens_name(body)
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"{limit} must be at least 1, got {max_tokens}", param=limit)
     top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM's -1: every token
     logprobs, prompt_logprobs = logprobs_of(body)
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -114,10 +115,21 @@ def sampling_of(
     try:
         s.validate()
     except ValueError as e:
-        param = str(e).split(" ", 1)[0]
-        message = str(e).replace("max_new_tokens", "max_tokens")  # (the body's name)
+        param = str(e).split(" ", 1)[0].replace("max_new_tokens", limit)
+        message = str(e).replace("max_new_tokens", limit)  # (the body's name)
         raise APIError(400, message, param=param if hasattr(body, param) else None) from e
     return s
+
+
+def max_tokens_name(body: Any) -> str:
+    """The field a body gave its token limit in: chat's ``max_completion_tokens`` when it
+    came alone, else ``max_tokens``."""
+    alone = getattr(body, "max_tokens", None) is None
+    return (
+        "max_completion_tokens"
+        if alone and getattr(body, "max_completion_tokens", None) is not None
+        else "max_tokens"
+    )
 
 
 def logprobs_of(body: Any) -> tuple[int | None, int | None]:
