@@ -155,14 +155,25 @@ def kv_cache_pages(
     )
 
 
-def cpu_kv_cache_tokens(device: torch.device, page_bytes: int, page_size: int, slots: int) -> int:
-    """Off CUDA, the KV cache a model's default ``max_seq_len`` may use: a quarter of the
-    free memory (``page_size`` token positions per ``page_bytes``); 0 where that cannot
-    be read."""
+def cpu_kv_cache_tokens(
+    device: torch.device,
+    page_bytes: int,
+    page_size: int,
+    slots: int,
+    *,
+    max_batch_size: int,
+    context: int,
+) -> int | None:
+    """Off CUDA (where the pool is every request at full length), the KV cache a model's
+    default ``max_seq_len`` may use: a quarter of the free memory (``page_size`` token
+    positions per ``page_bytes``). None where every request at its full ``context`` fits
+    it, on CUDA, where the free memory cannot be read, and below a page per running
+    request (such sizes are refused as before)."""
     free_now = free_memory_bytes(device)
-    if free_now is None or not page_bytes:
-        return 0
-    return max(0, int((free_now // 4 - slots) // page_bytes)) * page_size
+    if device.type == "cuda" or free_now is None or not page_bytes:
+        return None
+    cap = max(0, int((free_now // 4 - slots) // page_bytes)) * page_size
+    return cap if max_batch_size * page_size <= cap < max_batch_size * context else None
 
 
 def fit_seq_len(

@@ -638,14 +638,11 @@ class PipelineModelWithKVCache(PipelineModel):
         page_bytes = self.kv_bytes_per_token() * self.page_size
         if self.max_seq_len_from_model:
             context = self.max_seq_len
-            if self.kv_cache_tokens is None and self.device.type != "cuda":
-                # off CUDA the pool is every request at full length: bounded for a long context
-                cap = memory.cpu_kv_cache_tokens(
-                    self.device, page_bytes, self.page_size, self._slot_bytes(lora)
-                )
-                # (not below a page per running request: such sizes are refused as before)
-                if self.max_batch_size * self.page_size <= cap < self.max_batch_size * context:
-                    self.kv_cache_tokens = cap
+            if self.kv_cache_tokens is None:  # (off CUDA: bounded for a long context)
+                self.kv_cache_tokens = memory.cpu_kv_cache_tokens(
+                    self.device, page_bytes, self.page_size, self._slot_bytes(lora),
+                    max_batch_size=self.max_batch_size, context=context,
+                )  # fmt: skip
             self.max_seq_len = memory.fit_seq_len(
                 context=context,
                 device=self.device,
@@ -669,7 +666,7 @@ class PipelineModelWithKVCache(PipelineModel):
                 ) + (f", tensor parallel size {self.tp.size}" if self.tp is not None else "")
         num_kv_pages = memory.kv_cache_pages(
             device=self.device,
-            page_bytes=self.kv_bytes_per_token() * self.page_size,
+            page_bytes=page_bytes,
             page_size=self.page_size,
             max_seq_len=self.max_seq_len,
             max_batch_size=self.max_batch_size,

@@ -327,3 +327,27 @@ def test_kv_pool_sized_from_gpu_memory_utilization(tiny, monkeypatch):
     assert pages((used + weights + act + 10 * page_bytes + page_bytes // 2) / total) == 10
     with pytest.raises(MemoryBudgetError, match="less than one request of max_seq_len 64"):
         pages((used + weights + act + 2 * page_bytes) / total)
+
+
+def test_cpu_kv_cache_cap_for_a_long_context(monkeypatch):
+    """Off CUDA a model's default context sizes the pool as every request at full length;
+    a context too long for that is bounded to a quarter of the free memory
+    (:func:`lora_graph.memory.cpu_kv_cache_tokens`), never below a page per request."""
+    import torch
+
+    from lora_graph import memory
+
+    cpu, page_bytes, page_size = torch.device("cpu"), 1024, 16  # 64 B a token position
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 4 * 2**20)  # 1 MiB usable
+
+    def cap(context: int, batch: int = 2, slots: int = 0, device=cpu):
+        return memory.cpu_kv_cache_tokens(device, page_bytes, page_size, slots,
+                                          max_batch_size=batch, context=context)  # fmt: skip
+
+    assert cap(2**20) == 2**20 // 64  # a quarter of 4 MiB over 64 B a position
+    assert cap(2**20, slots=2**19) == 2**19 // 64  # (the adapter slots come off first)
+    assert cap(2**13) is None  # every request at full length fits: no bound
+    assert cap(2**20, batch=2**20) is None  # under a page a request: refused later, as before
+    assert cap(2**20, device=torch.device("cuda")) is None  # (CUDA sizes by utilization)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: None)
+    assert cap(2**20) is None
