@@ -293,6 +293,9 @@ class Workers:
             sender.join(timeout=5)
 
 
+_LEFT_TO_RANK_0 = (signal.SIGINT, signal.SIGTERM)  # (the signals workers ignore)
+
+
 def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Workers:
     """Start ranks ``1..size-1``, each a spawned process that builds ``cls(*args,
     **kwargs)`` (``build``, pickled) at its rank and serves rank 0's commands. Each starts
@@ -318,9 +321,6 @@ def start_workers(size: int, init_method: str, build: tuple[Any, ...]) -> Worker
         for sig, handler in kept:  # (a signal in these milliseconds is lost)
             signal.signal(sig, handler)
     return Workers(processes)
-
-
-_LEFT_TO_RANK_0 = (signal.SIGINT, signal.SIGTERM)
 
 
 def leave_signals_to_rank_0() -> None:

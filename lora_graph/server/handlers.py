@@ -25,7 +25,7 @@ from lora_graph.engine import LLMEngine, Request, RequestOutput, check_text
 from lora_graph.server.choices import Choice
 from lora_graph.server.config import ServerConfig
 from lora_graph.server.engine_loop import EngineLoop, EngineStopped, Watcher
-from lora_graph.server.fields import CHAT, COMPLETIONS, FIELDS, check_extras, check_fields
+from lora_graph.server.fields import CHAT, COMPLETIONS, check_extras, check_fields
 from lora_graph.server.generation import Generation
 from lora_graph.server.metrics import Metrics
 from lora_graph.server.protocol import (
@@ -42,8 +42,8 @@ from lora_graph.server.protocol import (
 from lora_graph.server.sampling import (
     Grammars,
     check_best_of,
+    field_of,
     logprobs_of,
-    max_tokens_name,
     sampling_of,
     stops_of,
 )
@@ -210,7 +210,7 @@ class OpenAIServing:
         try:
             await self.on_engine(submit_all)
         except ValueError as e:
-            raise APIError(400, str(e), param=_field_of(str(e), gen.body, gen.chat)) from e
+            raise APIError(400, str(e), param=field_of(str(e), gen.body)) from e
         except RuntimeError as e:
             raise APIError(503, str(e)) from e
 
@@ -648,12 +648,3 @@ class OpenAIServing:
         if not self.loop().alive:
             return PlainTextResponse("engine stopped", status_code=503)
         return PlainTextResponse("ok")
-
-
-def _field_of(message: str, body: Any, chat: bool) -> str | None:
-    """The request field an engine refusal names first (its message starts with the
-    engine's name for it: ``stop_token_ids must be in ...``), as the body spells it."""
-    name = message.split(" ", 1)[0].split("'", 1)[0]
-    chat_names = {"prompt": "messages", "logprobs": "top_logprobs"} if chat else {}
-    name = {"max_new_tokens": max_tokens_name(body), **chat_names}.get(name, name)
-    return name if name in FIELDS else None

@@ -115,10 +115,20 @@ def sampling_of(
     try:
         s.validate()
     except ValueError as e:
-        param = str(e).split(" ", 1)[0].replace("max_new_tokens", limit)
         message = str(e).replace("max_new_tokens", limit)  # (the body's name)
-        raise APIError(400, message, param=param if hasattr(body, param) else None) from e
+        raise APIError(400, message, param=field_of(str(e), body)) from e
     return s
+
+
+def field_of(message: str, body: Any) -> str | None:
+    """The request field an engine refusal names first (its message starts with the
+    engine's name for it: ``stop_token_ids must be in ...``), as ``body`` spells it (on
+    chat, ``messages`` for the prompt and ``top_logprobs`` for ``logprobs``); None if the
+    message names no field of ``body``."""
+    name = message.split(" ", 1)[0].split("'", 1)[0]
+    chat = {"prompt": "messages", "logprobs": "top_logprobs"} if hasattr(body, "messages") else {}
+    name = {"max_new_tokens": max_tokens_name(body), **chat}.get(name, name)
+    return name if hasattr(body, name) else None
 
 
 def max_tokens_name(body: Any) -> str:
